@@ -1,0 +1,24 @@
+"""immgrad: weight updates applied during the backward pass, for JAX."""
+
+from importlib import metadata as _metadata
+
+from immgrad._src.grad import value_and_grad as value_and_grad
+from immgrad._src.layer import immediate_layer as immediate_layer
+from immgrad._src.shim import ShimState as ShimState
+from immgrad._src.shim import ShimTransformation as ShimTransformation
+from immgrad._src.shim import Stepped as Stepped
+from immgrad._src.shim import shim as shim
+
+try:
+  __version__ = _metadata.version("immgrad")
+except _metadata.PackageNotFoundError:  # Imported from a source tree.
+  __version__ = "0+unknown"
+
+__all__ = (
+    "ShimState",
+    "ShimTransformation",
+    "Stepped",
+    "immediate_layer",
+    "shim",
+    "value_and_grad",
+)

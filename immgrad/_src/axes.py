@@ -1,0 +1,86 @@
+"""Averaging over a data-parallel axis, the same under pmap and shard_map.
+
+Under ``pmap`` and under ``shard_map(check_vma=False)`` a gradient is local
+to its replica and ``lax.pmean`` averages it. Under ``shard_map`` with
+``check_vma=True`` JAX tracks which values vary over a mesh axis, and the
+gradient with respect to an axis-invariant weight comes back *already
+summed* over the axis (the transpose of the implicit ``pvary``). So:
+
+* for a weight inside an immediate layer, :func:`local` casts it to varying
+  before differentiating, which keeps its gradient local, and
+  :func:`mean` then averages it like under ``pmap``;
+* for an ordinary parameter, :func:`mean_of_cotangent` divides an
+  automatically summed gradient by the axis size instead of averaging again.
+"""
+
+from typing import Any, Hashable, Optional, Sequence, Union
+
+import jax
+from jax import lax
+
+AxisName = Optional[Union[Hashable, Sequence[Hashable]]]
+
+
+def _names(axis_name: AxisName) -> tuple:
+  if axis_name is None:
+    return ()
+  if isinstance(axis_name, (tuple, list)):
+    return tuple(axis_name)
+  return (axis_name,)
+
+
+def _varying(x: Any) -> frozenset:
+  return jax.typeof(x).manual_axis_type.varying
+
+
+def check_bound(axis_name: AxisName) -> None:
+  """Raises a clear error if ``axis_name`` is not bound where it is used."""
+  for name in _names(axis_name):
+    try:
+      lax.axis_index(name)
+    except NameError as e:
+      raise ValueError(
+          f"immgrad.value_and_grad(axis_name={axis_name!r}): axis {name!r} "
+          "is not bound. Call the training step inside jax.pmap or "
+          "jax.shard_map over that axis, or pass axis_name=None (for "
+          "example under plain jit over a sharded batch).") from e
+
+
+def tracks_vma(axis_name: AxisName) -> bool:
+  """Whether JAX tracks variance over ``axis_name`` (shard_map check_vma)."""
+  return any(name in _varying(lax.axis_index(name))
+             for name in _names(axis_name))
+
+
+def local(tree: Any, axis_name: AxisName) -> Any:
+  """Casts axis-invariant leaves to varying, so their gradients stay local."""
+  names = _names(axis_name)
+  if not names or not tracks_vma(axis_name):
+    return tree
+
+  def cast(x):
+    missing = tuple(n for n in names if n not in _varying(x))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+  return jax.tree.map(cast, tree)
+
+
+def mean(tree: Any, axis_name: AxisName) -> Any:
+  """Averages local values over ``axis_name`` (identity when it is None)."""
+  if axis_name is None:
+    return tree
+  return lax.pmean(tree, axis_name)
+
+
+def mean_of_cotangent(cotangent: jax.Array, primal: jax.Array,
+                      axis_name: AxisName) -> jax.Array:
+  """The mean over ``axis_name`` of an ordinary parameter's gradient."""
+  names = _names(axis_name)
+  summed = ()
+  if names and tracks_vma(axis_name):
+    # JAX already summed it over the axes the weight is invariant on.
+    summed = tuple(n for n in names if n not in _varying(primal))
+  for name in summed:
+    cotangent = cotangent / lax.axis_size(name)
+  rest = tuple(n for n in names if n not in summed)
+  return lax.pmean(cotangent, rest) if rest else cotangent

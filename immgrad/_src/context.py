@@ -1,0 +1,123 @@
+"""How an immediate layer finds its parameter's optimizer state.
+
+``immgrad.value_and_grad`` hands the loss the parameters as usual, but each
+leaf is a fresh value (the output of a *sentinel*, see ``grad.py``) that it
+records in a :class:`Step`, together with two hidden channels for that leaf:
+the weight the layer differentiates, and the leaf's optimizer state. A
+decorated layer looks its weights up here by object identity and routes the
+hidden channels, not the values the loss saw, through its ``custom_vjp``.
+
+Identity is only meaningful in the trace that created the values. Inside
+``lax.scan``, ``lax.cond``, ``jax.checkpoint``, ``vmap`` or an inner ``jit``
+a layer either sees fresh tracers (not found here) or closed-over ones whose
+backward rule JAX may run zero or many times per step (a scan body runs it
+once per iteration, and the new weights would be summed). Both raise a clear
+error instead: a :class:`Step` answers only in the trace it was opened in.
+See ``docs/design.md`` for the reasoning and what stacked layers need.
+"""
+
+import dataclasses
+import threading
+from typing import Any, Optional
+
+import jax
+from jax.extend.core import get_opaque_trace_state
+
+
+@dataclasses.dataclass(eq=False)
+class Slot:
+  """One parameter leaf of one step, and what happened to it."""
+  path: str
+  view: jax.Array  # What the loss sees; kept alive so its id stays unique.
+  weight: jax.Array  # The channel whose cotangent carries the new weight.
+  state: Any  # The channel that carries the new optimizer state.
+  state_like: Any  # The optimizer state as stored (gives the dtypes back).
+  layer: Optional[str] = None  # The immediate layer call that claimed it.
+  stepped: bool = False  # That layer's backward rule ran.
+  ordinary: bool = False  # An ordinary use sent back a nonzero cotangent.
+
+
+_NOT_A_PARAMETER = (
+    "immediate layer {layer!r} got params{where} that is not a parameter "
+    "leaf given to immgrad.value_and_grad. Pass the parameter itself, "
+    "unchanged: no cast, scale, arithmetic or slicing between the params "
+    "tree and the layer (a cast belongs inside the layer function), and no "
+    "jax.checkpoint, lax.scan, lax.cond, vmap or jit between them.")
+
+_NESTED = (
+    "immediate layer {layer!r} was called on parameter {path} inside a JAX "
+    "transformation (lax.scan, lax.cond, jax.checkpoint, vmap, an inner "
+    "jit, ...) within the loss. Its weight update must run exactly once per "
+    "step, which JAX does not promise there (a scan body would run it once "
+    "per iteration and sum the new weights). Call the layer at the top "
+    "level of the loss function.")
+
+_TWICE = (
+    "parameter {path} reaches two immediate layer calls ({first!r} and "
+    "{second!r}) in one step. Each would return its own new weights and JAX "
+    "would add them. Give each call its own parameter, or use an ordinary "
+    "(undecorated) layer for shared weights.")
+
+
+class Step:
+  """The parameters of one ``value_and_grad`` step, by object identity."""
+
+  def __init__(self, tx, mode: str, axis_name):
+    self.tx = tx
+    self.mode = mode
+    self.axis_name = axis_name
+    self.slots: list[Slot] = []
+    self._by_id: dict[int, Slot] = {}
+    self._trace = None  # Set by `opened`, in the trace of the loss.
+
+  def add(self, slot: Slot) -> None:
+    self.slots.append(slot)
+    self._by_id[id(slot.view)] = slot
+
+  def claim(self, layer: str, params: Any) -> list[Slot]:
+    """Returns the slots of ``params``'s leaves, now owned by ``layer``."""
+    found = []
+    for keypath, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+      slot = self._by_id.get(id(leaf))
+      if slot is None:
+        where = jax.tree_util.keystr(keypath)
+        raise ValueError(_NOT_A_PARAMETER.format(layer=layer, where=where))
+      if get_opaque_trace_state() != self._trace:
+        raise ValueError(_NESTED.format(layer=layer, path=slot.path))
+      if slot.layer is not None or slot in found:
+        raise ValueError(_TWICE.format(
+            path=slot.path, first=slot.layer or layer, second=layer))
+      found.append(slot)
+    for slot in found:
+      slot.layer = layer
+    return found
+
+
+_active = threading.local()
+
+
+def current() -> Optional[Step]:
+  """The innermost open step, or None outside ``immgrad.value_and_grad``."""
+  stack = getattr(_active, "stack", [])
+  return stack[-1] if stack else None
+
+
+class opened:  # pylint: disable=invalid-name
+  """Context manager: makes ``step`` current while the loss is traced.
+
+  Enter it inside the function being differentiated: the trace it is entered
+  in is the only one in which ``step`` answers.
+  """
+
+  def __init__(self, step: Step):
+    self._step = step
+
+  def __enter__(self) -> Step:
+    if not hasattr(_active, "stack"):
+      _active.stack = []
+    self._step._trace = get_opaque_trace_state()  # pylint: disable=protected-access
+    _active.stack.append(self._step)
+    return self._step
+
+  def __exit__(self, *exc) -> None:
+    _active.stack.pop()

@@ -1,0 +1,192 @@
+"""``value_and_grad``: one training step's loss and what the shim consumes.
+
+The loss is differentiated with ``jax.vjp`` with respect to three copies of
+the parameter leaves:
+
+* the *views* the loss sees, each the output of a ``sentinel`` (an identity
+  ``custom_vjp`` with symbolic zeros) so that, at trace time, we learn
+  whether anything other than an immediate layer used the leaf;
+* the hidden *weight* channel an immediate layer differentiates instead of
+  the view; its cotangent is the layer's new weight;
+* the hidden *state* channel, the leaf's optimizer state, whose cotangent
+  is the new state.
+
+After the backward pass each leaf is exactly one of: stepped by one
+immediate layer (its new weight and state, as :class:`Stepped`), used only
+ordinarily (its gradient, averaged over ``axis_name``), or not used at all
+(left as it was, as :class:`Stepped`). A leaf that is both immediate and
+ordinary is an error: the two cotangents would be added.
+"""
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from immgrad._src import axes
+from immgrad._src import context
+from immgrad._src import shim as shim_lib
+from immgrad._src import state as state_lib
+
+_MODES = ("updated", "current")
+
+_MIXED = (
+    "parameter {path} is used by immediate layer {layer!r} and also by an "
+    "ordinary operation in the loss (e.g. tied weights, a regulariser, or a "
+    "second undecorated use). Its new weights and its gradient would be "
+    "added. Use it in one way only: decorate every use (each with its own "
+    "parameter), or none.")
+
+
+def value_and_grad(fun: Callable[..., Any], tx: optax.GradientTransformation,
+                   *, mode: str = "updated", axis_name=None,
+                   has_aux: bool = False) -> Callable[..., Any]:
+  """Makes a training step in which immediate layers update during backprop.
+
+  Args:
+    fun: the loss, ``fun(params, *args)``, returning a scalar (or
+      ``(scalar, aux)`` with ``has_aux``).
+    tx: the optimizer from :func:`immgrad.shim`; its inner rule steps the
+      immediate layers, its ``update`` the rest.
+    mode: ``"updated"`` computes each immediate layer's input gradient from
+      its new weights; ``"current"`` from the old ones, which reproduces
+      ordinary training.
+    axis_name: a ``pmap``/``shard_map`` axis (or tuple of axes) to average
+      every gradient over before it is used, immediate or ordinary. Leave it
+      None under plain ``jit`` over a sharded batch: XLA reduces there.
+    has_aux: whether ``fun`` returns ``(loss, aux)``.
+
+  Returns:
+    ``step(params, opt_state, *args) -> (loss, grads)`` (or
+    ``((loss, aux), grads)``), where ``grads`` is what ``tx.update``
+    consumes: for each immediate layer's parameters a :class:`Stepped` with
+    the new values, for every other used parameter its gradient.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import immgrad
+    >>> @immgrad.immediate_layer
+    ... def dense(x, p):
+    ...   return x @ p["w"]
+    >>> def loss_fn(params, x, y):
+    ...   h = jax.nn.relu(dense(x, params["l1"]))
+    ...   return jnp.mean((dense(h, params["l2"]) - y) ** 2)
+    >>> params = {"l1": {"w": jnp.full((2, 3), 0.5)},
+    ...           "l2": {"w": jnp.full((3, 1), 0.5)}}
+    >>> tx = immgrad.shim(optax.adam(1e-2))
+    >>> opt_state = tx.init(params)
+    >>> step = jax.jit(immgrad.value_and_grad(loss_fn, tx))
+    >>> x, y = jnp.ones((4, 2)), jnp.zeros((4, 1))
+    >>> loss, grads = step(params, opt_state, x, y)
+    >>> updates, opt_state = tx.update(grads, opt_state, params)
+    >>> params = optax.apply_updates(params, updates)
+    >>> print(f"{loss:.4f}")
+    0.5625
+  """
+  if mode not in _MODES:
+    raise ValueError(
+        f"immgrad.value_and_grad: mode must be one of {_MODES}, got "
+        f"{mode!r}.")
+  if not isinstance(tx, shim_lib.ShimTransformation):
+    raise TypeError(
+        "immgrad.value_and_grad: tx must be the optimizer from "
+        f"immgrad.shim(...), got {tx!r}. Wrap your optax optimizer: "
+        "tx = immgrad.shim(optax.adam(1e-3)).")
+  if not callable(fun):
+    raise TypeError(f"immgrad.value_and_grad: fun must be callable, got "
+                    f"{fun!r}.")
+
+  def step(params, opt_state, *args):
+    axes.check_bound(axis_name)
+    treedef = jax.tree.structure(params)
+    paths = [jax.tree_util.keystr(p) for p, _ in
+             jax.tree_util.tree_flatten_with_path(params)[0]]
+    leaves = treedef.flatten_up_to(params)
+    states = shim_lib.flatten_like(
+        treedef, shim_lib.state_of(opt_state), "opt_state")
+    _check_states(tx.inner, paths, leaves, states)
+    run = context.Step(tx.inner, mode, axis_name)
+
+    def loss(views, weights, carried):
+      views = [_sentinel(run, i, v) for i, v in enumerate(views)]
+      for i, view in enumerate(views):
+        run.add(context.Slot(path=paths[i], view=view, weight=weights[i],
+                             state=carried[i], state_like=states[i]))
+      with context.opened(run):
+        out = fun(treedef.unflatten(views), *args)
+      _check_loss(fun, out, has_aux)
+      return out
+
+    value, backward, *aux = jax.vjp(
+        loss, leaves, leaves, [state_lib.encode(s) for s in states],
+        has_aux=has_aux)
+    cts, new_weights, new_carried = backward(jnp.ones_like(value))
+    grads = []
+    for i, slot in enumerate(run.slots):
+      if slot.layer is not None and slot.ordinary:
+        raise ValueError(_MIXED.format(path=slot.path, layer=slot.layer))
+      if slot.layer is not None and slot.stepped:
+        grads.append(shim_lib.Stepped(
+            new_weights[i], state_lib.decode(new_carried[i], states[i])))
+      elif slot.ordinary:
+        grads.append(axes.mean_of_cotangent(cts[i], leaves[i], axis_name))
+      else:  # Not reached: keep its weights and state.
+        grads.append(shim_lib.Stepped(leaves[i], states[i]))
+    grads = treedef.unflatten(grads)
+    if has_aux:
+      return (value, aux[0]), grads
+    return value, grads
+
+  return step
+
+
+def _sentinel(run: context.Step, index: int, leaf: jax.Array) -> jax.Array:
+  """Identity whose backward rule records a nonzero cotangent at trace time."""
+
+  @jax.custom_vjp
+  def sentinel(x):
+    return x
+
+  def fwd(x):
+    return x.value, None
+
+  def bwd(_, ct):
+    if isinstance(ct, jax.custom_derivatives.SymbolicZero):
+      return (jnp.zeros(ct.shape, ct.dtype),)
+    run.slots[index].ordinary = True
+    return (ct,)
+
+  sentinel.defvjp(fwd, bwd, symbolic_zeros=True)
+  return sentinel(leaf)
+
+
+def _check_loss(fun, out, has_aux):
+  value = out[0] if has_aux else out
+  if has_aux and not (isinstance(out, tuple) and len(out) == 2):
+    raise TypeError(
+        f"immgrad.value_and_grad: with has_aux=True, {fun!r} must return "
+        f"(loss, aux), got {type(out).__name__}.")
+  if not (hasattr(value, "shape") and value.shape == () and
+          jnp.issubdtype(jnp.result_type(value), jnp.floating)):
+    raise TypeError(
+        f"immgrad.value_and_grad: {getattr(fun, '__qualname__', fun)!r} "
+        f"must return a real scalar loss, got {value!r}.")
+
+
+def _check_states(tx, paths, leaves, states):
+  """A clear error if the stored state was not made by ``tx`` for ``leaves``."""
+  for path, leaf, stored in zip(paths, leaves, states):
+    expected = jax.eval_shape(tx.init, jax.ShapeDtypeStruct(
+        jnp.shape(leaf), jnp.result_type(leaf)))
+    same = jax.tree.structure(expected) == jax.tree.structure(stored) and all(
+        jnp.shape(a) == jnp.shape(b) and jnp.result_type(a) ==
+        jnp.result_type(b) for a, b in zip(jax.tree.leaves(expected),
+                                           jax.tree.leaves(stored)))
+    if not same:
+      raise ValueError(
+          f"immgrad.value_and_grad: the optimizer state of parameter {path} "
+          f"does not match what tx.init makes for it (expected "
+          f"{jax.tree.structure(expected)}, got "
+          f"{jax.tree.structure(stored)}). Was opt_state made by this "
+          "immgrad.shim for these params?")

@@ -1,0 +1,156 @@
+"""Models and independent references for the tests.
+
+The references never call immgrad: they are plain ``jax`` + ``optax``.
+:func:`immediate_steps` runs immgrad in the same loop, for comparison.
+
+* :func:`plain_steps` - ordinary training, ``jax.value_and_grad`` then the
+  optax update, jitted as a user would.
+* :func:`sequential_steps` - the sequential re-linearization of a chain of
+  layers: walk from the last layer to the first; at each layer take ``dW``
+  from ``jax.vjp`` at the old weights, step the layer with its own optax
+  state, then take ``dX`` with ``jax.vjp`` at the *new* weights and pass it
+  through the previous activation.
+"""
+
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import immgrad
+
+
+class Chain(NamedTuple):
+  """``x -> act_L(layer_L(... act_1(layer_1(x, p_1)) ..., p_L))``, then loss.
+
+  ``layers[i]`` is an undecorated ``fun(x, params)``; ``names[i]`` its key
+  in the params dict; ``acts[i]`` an elementwise activation.
+  """
+  layers: tuple
+  names: tuple
+  acts: tuple
+  loss: Callable  # loss(output, target) -> scalar
+
+  def apply(self, params, x, layer_wrap=lambda f: f):
+    for fun, name, act in zip(self.layers, self.names, self.acts):
+      x = act(layer_wrap(fun)(x, params[name]))
+    return x
+
+  def loss_fn(self, layer_wrap=lambda f: f):
+    def loss_fn(params, x, y):
+      return self.loss(self.apply(params, x, layer_wrap), y)
+    return loss_fn
+
+
+def dense(x, p):
+  return x @ p["w"] + p["b"]
+
+
+def identity(x):
+  return x
+
+
+def mse(out, y):
+  return jnp.mean((out - y) ** 2)
+
+
+def mlp(sizes, key, act=jax.nn.relu):
+  """A Chain of dense layers and its params, scaled like a real init."""
+  keys = jax.random.split(key, len(sizes) - 1)
+  params, names = {}, []
+  for i, (a, b, k) in enumerate(zip(sizes[:-1], sizes[1:], keys)):
+    kw, kb = jax.random.split(k)
+    names.append(f"layer{i}")
+    params[names[-1]] = {
+        "w": jax.random.normal(kw, (a, b)) / np.sqrt(a),
+        "b": 0.1 * jax.random.normal(kb, (b,)),
+    }
+  acts = (act,) * (len(names) - 1) + (identity,)
+  return Chain((dense,) * len(names), tuple(names), acts, mse), params
+
+
+def plain_steps(loss_fn, opt, params, batches):
+  """Ordinary training; returns the params after each step and the losses."""
+
+  @jax.jit
+  def step(params, state, *batch):
+    loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, loss
+
+  state = opt.init(params)
+  history, losses = [], []
+  for batch in batches:
+    params, state, loss = step(params, state, *batch)
+    history.append(params)
+    losses.append(loss)
+  return history, losses
+
+
+def immediate_steps(loss_fn, opt, params, batches, **kwargs):
+  """The same loop with immgrad; returns params after each step, losses."""
+  tx = immgrad.shim(opt)
+
+  @jax.jit
+  def step(params, state, *batch):
+    loss, grads = immgrad.value_and_grad(loss_fn, tx, **kwargs)(
+        params, state, *batch)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, loss
+
+  state = tx.init(params)
+  history, losses = [], []
+  for batch in batches:
+    params, state, loss = step(params, state, *batch)
+    history.append(params)
+    losses.append(loss)
+  return history, losses
+
+
+def sequential_steps(chain: Chain, opt, params, batches):
+  """The hand-written re-linearization reference for ``mode="updated"``."""
+
+  @jax.jit
+  def step(params, states, x, y):
+    inputs, pre = [], []
+    h = x
+    for fun, name, act in zip(chain.layers, chain.names, chain.acts):
+      inputs.append(h)
+      z = fun(h, params[name])
+      pre.append(z)
+      h = act(z)
+    loss, loss_vjp = jax.vjp(lambda out: chain.loss(out, y), h)
+    (dh,) = loss_vjp(jnp.ones_like(loss))
+    new_params, new_states = dict(params), dict(states)
+    for i in reversed(range(len(chain.layers))):
+      fun, name, act = chain.layers[i], chain.names[i], chain.acts[i]
+      _, act_vjp = jax.vjp(act, pre[i])
+      (dz,) = act_vjp(dh)
+      _, w_vjp = jax.vjp(lambda w: fun(inputs[i], w), params[name])
+      (dw,) = w_vjp(dz)
+      updates, new_states[name] = opt.update(dw, states[name], params[name])
+      new_params[name] = optax.apply_updates(params[name], updates)
+      _, x_vjp = jax.vjp(lambda x: fun(x, new_params[name]), inputs[i])
+      (dh,) = x_vjp(dz)
+    return new_params, new_states, loss
+
+  states = {name: opt.init(params[name]) for name in chain.names}
+  history, losses = [], []
+  for x, y in batches:
+    params, states, loss = step(params, states, x, y)
+    history.append(params)
+    losses.append(loss)
+  return history, losses
+
+
+def batches(key, n, x_shape, y_shape):
+  keys = jax.random.split(key, 2 * n)
+  return [(jax.random.normal(keys[2 * i], x_shape),
+           jax.random.normal(keys[2 * i + 1], y_shape)) for i in range(n)]
+
+
+def max_abs_diff(a, b):
+  return max(float(jnp.max(jnp.abs(x - y)))
+             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
