@@ -78,11 +78,14 @@ def value_and_grad(fun: Callable[..., Any], tx: optax.GradientTransformation,
     >>> opt_state = tx.init(params)
     >>> step = jax.jit(immgrad.value_and_grad(loss_fn, tx))
     >>> x, y = jnp.ones((4, 2)), jnp.zeros((4, 1))
-    >>> loss, grads = step(params, opt_state, x, y)
-    >>> updates, opt_state = tx.update(grads, opt_state, params)
-    >>> params = optax.apply_updates(params, updates)
-    >>> print(f"{loss:.4f}")
-    0.5625
+    >>> for _ in range(3):
+    ...   loss, grads = step(params, opt_state, x, y)
+    ...   updates, opt_state = tx.update(grads, opt_state, params)
+    ...   params = optax.apply_updates(params, updates)
+    ...   print(f"{loss:.4f}")
+    2.2500
+    2.0753
+    1.9114
   """
   if mode not in _MODES:
     raise ValueError(

@@ -1,0 +1,111 @@
+"""The decorator outside a step, options, and errors for bad calls."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import immgrad
+
+
+def affine(x, p):
+  return x @ p["w"] + p["b"]
+
+
+PARAMS = {"w": jnp.arange(6.0).reshape(3, 2) / 6, "b": jnp.ones(2)}
+X = jnp.linspace(-1, 1, 12).reshape(4, 3)
+
+
+@pytest.mark.parametrize("decorate", [
+    immgrad.immediate_layer, immgrad.immediate_layer(name="affine"),
+    immgrad.immediate_layer(),
+], ids=["bare", "named", "empty_options"])
+def test_outside_a_step_the_layer_is_fun(decorate):
+  layer = decorate(affine)
+  loss = lambda f: lambda p, x: jnp.sum(jnp.sin(f(x, p)))
+  chex.assert_trees_all_equal(layer(X, PARAMS), affine(X, PARAMS))
+  chex.assert_trees_all_equal(jax.grad(loss(layer))(PARAMS, X),
+                              jax.grad(loss(affine))(PARAMS, X))
+  chex.assert_trees_all_equal(jax.jit(jax.grad(loss(layer)))(PARAMS, X),
+                              jax.jit(jax.grad(loss(affine)))(PARAMS, X))
+
+
+def test_layer_name_appears_in_errors():
+  layer = immgrad.immediate_layer(affine, name="encoder/dense_3")
+  tx = immgrad.shim(optax.sgd(0.1))
+
+  def loss_fn(params, x):
+    return jnp.sum(layer(x, {"w": 2 * params["w"], "b": params["b"]}))
+
+  with pytest.raises(ValueError, match="'encoder/dense_3'"):
+    immgrad.value_and_grad(loss_fn, tx)(PARAMS, tx.init(PARAMS), X)
+
+
+def test_wrong_signature_is_a_type_error():
+  with pytest.raises(TypeError, match="'three'.*fun\\(x, params\\)"):
+    immgrad.immediate_layer(lambda x, p, extra: x, name="three")
+  with pytest.raises(TypeError, match="fun\\(x, params\\)"):
+    immgrad.immediate_layer(lambda x: x)
+  with pytest.raises(TypeError, match="expects a function"):
+    immgrad.immediate_layer(3)
+
+
+def test_has_aux():
+  layer = immgrad.immediate_layer(affine)
+  tx = immgrad.shim(optax.sgd(0.1))
+
+  def loss_fn(params, x):
+    y = layer(x, params)
+    return jnp.mean(y ** 2), {"mean": jnp.mean(y)}
+
+  (loss, aux), grads = immgrad.value_and_grad(loss_fn, tx, has_aux=True)(
+      PARAMS, tx.init(PARAMS), X)
+  y = affine(X, PARAMS)
+  chex.assert_trees_all_close(loss, jnp.mean(y ** 2))
+  chex.assert_trees_all_close(aux["mean"], jnp.mean(y))
+  assert isinstance(grads["w"], immgrad.Stepped)
+
+
+def test_bad_arguments_are_clear_errors():
+  tx = immgrad.shim(optax.sgd(0.1))
+  loss_fn = lambda p, x: jnp.sum(immgrad.immediate_layer(affine)(x, p))
+  with pytest.raises(ValueError, match="mode must be one of"):
+    immgrad.value_and_grad(loss_fn, tx, mode="fresh")
+  with pytest.raises(TypeError, match=r"immgrad.shim\(...\)"):
+    immgrad.value_and_grad(loss_fn, optax.sgd(0.1))
+  with pytest.raises(ValueError, match="axis 'batch' is not bound"):
+    immgrad.value_and_grad(loss_fn, tx, axis_name="batch")(
+        PARAMS, tx.init(PARAMS), X)
+  with pytest.raises(TypeError, match="scalar loss"):
+    immgrad.value_and_grad(lambda p, x: affine(x, p), tx)(
+        PARAMS, tx.init(PARAMS), X)
+  with pytest.raises(TypeError, match="from immgrad.shim"):
+    immgrad.value_and_grad(loss_fn, tx)(PARAMS, optax.sgd(0.1).init(PARAMS),
+                                        X)
+
+
+def test_mismatched_opt_state_is_a_clear_error():
+  loss_fn = lambda p, x: jnp.sum(immgrad.immediate_layer(affine)(x, p))
+  tx = immgrad.shim(optax.adam(1e-3))
+  other_model = tx.init({"w": PARAMS["w"]})
+  with pytest.raises(ValueError, match="opt_state does not match"):
+    immgrad.value_and_grad(loss_fn, tx)(PARAMS, other_model, X)
+  other_optimizer = immgrad.shim(optax.sgd(0.1, momentum=0.9)).init(PARAMS)
+  with pytest.raises(ValueError, match=r"parameter \['b'\] does not match"):
+    immgrad.value_and_grad(loss_fn, tx)(PARAMS, other_optimizer, X)
+  other_shapes = tx.init({"w": jnp.ones((3, 3)), "b": jnp.ones(2)})
+  with pytest.raises(ValueError, match=r"parameter \['w'\] does not match"):
+    immgrad.value_and_grad(loss_fn, tx)(PARAMS, other_shapes, X)
+
+
+def test_integer_inputs_pass_through():
+  """An embedding lookup: x is integer, its cotangent is float0."""
+  embed = immgrad.immediate_layer(lambda ids, p: p["table"][ids])
+  tx = immgrad.shim(optax.sgd(1.0))
+  params = {"table": jnp.arange(8.0).reshape(4, 2)}
+  ids = jnp.array([0, 2, 2])
+  _, grads = jax.jit(immgrad.value_and_grad(
+      lambda p, i: jnp.sum(embed(i, p)), tx))(params, tx.init(params), ids)
+  expected = params["table"] - jnp.array([[1, 1], [0, 0], [2, 2], [0, 0]])
+  chex.assert_trees_all_equal(grads["table"].params, expected)
