@@ -134,7 +134,7 @@ def value_and_grad(fun: Callable[..., Any], tx: optax.GradientTransformation,
             new_weights[i], state_lib.decode(new_carried[i], states[i])))
       elif slot.ordinary:
         grads.append(axes.mean_of_cotangent(cts[i], leaves[i], axis_name))
-      else:  # Not reached: keep its weights and state.
+      else:  # Untouched this step: keep its weights and state.
         grads.append(shim_lib.Stepped(leaves[i], states[i]))
     grads = treedef.unflatten(grads)
     if has_aux:
@@ -165,11 +165,11 @@ def _sentinel(run: context.Step, index: int, leaf: jax.Array) -> jax.Array:
 
 
 def _check_loss(fun, out, has_aux):
-  value = out[0] if has_aux else out
   if has_aux and not (isinstance(out, tuple) and len(out) == 2):
     raise TypeError(
         f"immgrad.value_and_grad: with has_aux=True, {fun!r} must return "
         f"(loss, aux), got {type(out).__name__}.")
+  value = out[0] if has_aux else out
   if not (hasattr(value, "shape") and value.shape == () and
           jnp.issubdtype(jnp.result_type(value), jnp.floating)):
     raise TypeError(
@@ -179,9 +179,12 @@ def _check_loss(fun, out, has_aux):
 
 def _check_states(tx, paths, leaves, states):
   """A clear error if the stored state was not made by ``tx`` for ``leaves``."""
+  made = {}  # tx.init's abstract output, by the leaf's shape and dtype.
   for path, leaf, stored in zip(paths, leaves, states):
-    expected = jax.eval_shape(tx.init, jax.ShapeDtypeStruct(
-        jnp.shape(leaf), jnp.result_type(leaf)))
+    key = (jnp.shape(leaf), jnp.result_type(leaf))
+    if key not in made:
+      made[key] = jax.eval_shape(tx.init, jax.ShapeDtypeStruct(*key))
+    expected = made[key]
     same = jax.tree.structure(expected) == jax.tree.structure(stored) and all(
         jnp.shape(a) == jnp.shape(b) and jnp.result_type(a) ==
         jnp.result_type(b) for a, b in zip(jax.tree.leaves(expected),
