@@ -14,6 +14,7 @@ The references never call immgrad: they are plain ``jax`` + ``optax``.
 
 from typing import Callable, NamedTuple
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -154,3 +155,14 @@ def batches(key, n, x_shape, y_shape):
 def max_abs_diff(a, b):
   return max(float(jnp.max(jnp.abs(x - y)))
              for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def assert_runs_close(got, expected, atol, rtol):
+  """``got`` and ``expected`` are ``(params after each step, losses)``."""
+  (got_params, got_losses), (expected_params, expected_losses) = got, expected
+  assert len(got_params) == len(expected_params)
+  for step, (a, b) in enumerate(zip(got_params, expected_params)):
+    chex.assert_trees_all_close(a, b, atol=atol, rtol=rtol,
+                                custom_message=f"after step {step + 1}")
+  chex.assert_trees_all_close(got_losses, expected_losses, atol=atol,
+                              rtol=rtol)
