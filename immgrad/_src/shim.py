@@ -30,8 +30,10 @@ class ShimState(NamedTuple):
   Attributes:
     inner: the params tree with each leaf replaced by that leaf's own
       ``tx`` state (``tx.init(leaf)``).
+    rejected: how many steps were rejected as non-finite (int32).
   """
   inner: Any
+  rejected: chex.Array
 
 
 class Stepped(NamedTuple):
@@ -195,7 +197,8 @@ def _init_leaf(tx, path, leaf):
   return tx.init(leaf)
 
 
-def shim(tx: optax.GradientTransformation) -> ShimTransformation:
+def shim(tx: optax.GradientTransformation, *,
+         atomic: bool = True) -> ShimTransformation:
   """The optimizer to use with immediate layers, in place of ``tx``.
 
   ``init(params)`` gives every parameter its own ``tx`` state.
@@ -204,6 +207,18 @@ def shim(tx: optax.GradientTransformation) -> ShimTransformation:
   (:class:`Stepped`) come back as the updates that land on their new
   values, with their new state; every other leaf gets ``tx``'s own update.
   Plain gradients (from ``jax.grad``) train exactly as ``tx`` would.
+
+  Atomic steps: by the time the backward pass meets a non-finite gradient,
+  the layers after it have already computed their new weights. With
+  ``atomic=True`` (the default) ``update`` checks every new weight, new
+  optimizer state, gradient and update of the step; if any is NaN or
+  infinite it rejects the whole step: every update is ``-0.0`` (so every
+  weight, ``-0.0`` included, stays bit for bit as it was), every state
+  keeps its old value, and ``state.rejected`` counts the step. No second
+  backward pass, about 1% more FLOPs, but one extra copy of the weights and
+  optimizer state in peak memory: the old ones must outlive the new ones
+  until the whole step is known to be finite. ``atomic=False`` saves that
+  memory and leaves a non-finite step half applied.
 
   Exactness: the update for an immediate weight is ``new - p``, so
   ``optax.apply_updates`` computes ``p + (new - p)``. That is bitwise
@@ -218,6 +233,7 @@ def shim(tx: optax.GradientTransformation) -> ShimTransformation:
     tx: an optax transformation that acts on each parameter separately
       (sgd, momentum, adam, adamw, lion, rmsprop, adafactor, schedules,
       ``optax.inject_hyperparams``, chains of these).
+    atomic: reject a step with any non-finite value, whole (see above).
 
   Returns:
     An ``optax.GradientTransformation``; pass it to
@@ -243,8 +259,10 @@ def shim(tx: optax.GradientTransformation) -> ShimTransformation:
   _check_separable(tx)
 
   def init_fn(params):
-    return ShimState(inner=jax.tree_util.tree_map_with_path(
-        lambda path, leaf: _init_leaf(tx, path, leaf), params))
+    return ShimState(
+        inner=jax.tree_util.tree_map_with_path(
+            lambda path, leaf: _init_leaf(tx, path, leaf), params),
+        rejected=jnp.zeros((), jnp.int32))
 
   def update_fn(grads, state, params=None):
     if params is None:
@@ -252,11 +270,10 @@ def shim(tx: optax.GradientTransformation) -> ShimTransformation:
           "immgrad.shim: update needs params: call "
           "tx.update(grads, opt_state, params).")
     treedef = jax.tree.structure(params)
-    leaves = treedef.flatten_up_to(params)
+    grads = flatten_like(treedef, grads, "grads")
+    old_states = flatten_like(treedef, state_of(state), "opt_state")
     updates, states = [], []
-    for g, s, p in zip(flatten_like(treedef, grads, "grads"),
-                       flatten_like(treedef, state_of(state), "opt_state"),
-                       leaves):
+    for g, s, p in zip(grads, old_states, treedef.flatten_up_to(params)):
       if isinstance(g, Stepped):
         updates.append(g.params - p)
         states.append(g.state)
@@ -264,12 +281,26 @@ def shim(tx: optax.GradientTransformation) -> ShimTransformation:
         u, s = tx.update(g, s, p)
         updates.append(u)
         states.append(s)
+    rejected = state.rejected
+    if atomic:
+      ok = _all_finite((grads, updates, states))
+      updates = [jnp.where(ok, u, jnp.asarray(-0.0, u.dtype)) for u in updates]
+      states = jax.tree.map(lambda new, old: jnp.where(ok, new, old), states,
+                            old_states)
+      rejected = rejected + jnp.where(ok, 0, 1).astype(rejected.dtype)
     return (treedef.unflatten(updates),
-            ShimState(inner=treedef.unflatten(states)))
+            ShimState(inner=treedef.unflatten(states), rejected=rejected))
 
   result = ShimTransformation(init_fn, update_fn)
   result._inner = tx  # pylint: disable=protected-access
   return result
+
+
+def _all_finite(tree: Any) -> chex.Array:
+  """Whether every float value in ``tree`` is finite, as one bool."""
+  checks = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+            if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+  return jnp.all(jnp.stack(checks)) if checks else jnp.asarray(True)
 
 
 def state_of(state: Any) -> Any:

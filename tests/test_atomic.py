@@ -1,0 +1,82 @@
+"""A non-finite gradient in a middle layer rejects the whole step."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import immgrad
+import oracles
+
+
+@jax.custom_vjp
+def poison(h, flag):
+  """Identity; its backward rule makes the cotangent NaN when flag is 1."""
+  del flag
+  return h
+
+
+poison.defvjp(lambda h, flag: (h, flag),
+              lambda flag, ct: (jnp.where(flag > 0, jnp.nan, 1.0) * ct,
+                                jnp.zeros_like(flag)))
+
+
+def _setup():
+  _, params = oracles.mlp([6, 16, 16, 16, 3], jax.random.PRNGKey(0))
+  layer = immgrad.immediate_layer(oracles.dense)
+
+  def loss_fn(params, x, y, flag):
+    h = jax.nn.relu(layer(x, params["layer0"]))
+    h = jax.nn.relu(poison(layer(h, params["layer1"]), flag))  # The middle.
+    h = jax.nn.relu(layer(h, params["layer2"]))
+    return jnp.mean((layer(h, params["layer3"]) - y) ** 2)
+
+  return loss_fn, params, oracles.batches(jax.random.PRNGKey(1), 2, (8, 6),
+                                          (8, 3))
+
+
+def _step_fn(loss_fn, tx, mode):
+  @jax.jit
+  def step(params, state, x, y, flag):
+    _, grads = immgrad.value_and_grad(loss_fn, tx, mode=mode)(
+        params, state, x, y, flag)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+  return step
+
+
+@pytest.mark.parametrize("mode", ["updated", "current"])
+def test_nan_in_a_middle_layer_rejects_the_whole_step(mode):
+  loss_fn, params, data = _setup()
+  tx = immgrad.shim(optax.adam(1e-2))
+  step = _step_fn(loss_fn, tx, mode)
+  state = tx.init(params)
+  params = jax.tree.map(lambda p: p.at[0].set(-0.0) if p.ndim == 1 else p,
+                        params)  # A -0.0 must survive too.
+
+  poisoned_params, poisoned_state = step(params, state, *data[0], 1.0)
+  chex.assert_trees_all_equal(poisoned_params, params)  # Bit for bit.
+  chex.assert_trees_all_equal(poisoned_state.inner, state.inner)
+  assert jnp.signbit(poisoned_params["layer0"]["b"][0])
+  assert int(poisoned_state.rejected) == 1
+
+  # The next clean step is exactly a clean step from the start.
+  after, after_state = step(poisoned_params, poisoned_state, *data[1], 0.0)
+  clean, clean_state = step(params, state, *data[1], 0.0)
+  chex.assert_trees_all_equal(after, clean)
+  chex.assert_trees_all_equal(after_state.inner, clean_state.inner)
+  assert int(after_state.rejected) == 1
+  assert not jnp.array_equal(after["layer3"]["w"], params["layer3"]["w"])
+
+
+def test_without_atomic_the_step_is_half_applied():
+  """What atomic=True prevents: later layers stepped, earlier ones NaN."""
+  loss_fn, params, data = _setup()
+  tx = immgrad.shim(optax.adam(1e-2), atomic=False)
+  new, state = _step_fn(loss_fn, tx, "updated")(params, tx.init(params),
+                                                 *data[0], 1.0)
+  assert jnp.all(jnp.isfinite(new["layer3"]["w"]))
+  assert not jnp.array_equal(new["layer3"]["w"], params["layer3"]["w"])
+  assert jnp.all(jnp.isnan(new["layer1"]["w"]))
+  assert int(state.rejected) == 0
