@@ -20,6 +20,7 @@ import inspect
 from typing import Any, Callable, Optional
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from immgrad._src import axes
@@ -28,7 +29,8 @@ from immgrad._src import state as state_lib
 
 
 def immediate_layer(fun: Optional[Callable[[Any, Any], Any]] = None, *,
-                    name: Optional[str] = None):
+                    name: Optional[str] = None,
+                    compute_dtype: Optional[Any] = None):
   """Makes a primitive layer ``fun(x, params) -> y`` update immediately.
 
   Decorate the smallest parametric primitive (an affine map, a convolution,
@@ -42,6 +44,12 @@ def immediate_layer(fun: Optional[Callable[[Any, Any], Any]] = None, *,
       pytree of arrays, ``params`` a pytree of float arrays, each leaf a
       parameter passed unchanged from the params tree of the step.
     name: the layer's name in error messages (default: ``fun``'s name).
+    compute_dtype: if set (e.g. ``jnp.bfloat16``), the floating leaves of
+      ``x`` and ``params`` are cast to it inside the layer and ``fun``
+      computes in it. The cast is part of the layer, so the weights stay in
+      their own dtype (float32, say): the gradient comes back through the
+      cast in float32 and the optimizer updates float32 weights, keeping
+      updates smaller than a bfloat16 ulp.
 
   Returns:
     A function with ``fun``'s signature. Outside ``immgrad.value_and_grad``
@@ -58,26 +66,40 @@ def immediate_layer(fun: Optional[Callable[[Any, Any], Any]] = None, *,
     >>> dense(jnp.ones((1, 3)), params)  # Outside a step: plain ``fun``.
     Array([[3., 3.]], dtype=float32)
 
-    With options: ``@immgrad.immediate_layer(name="dense")``.
+    With options: ``@immgrad.immediate_layer(name="dense")``, or
+    ``@immgrad.immediate_layer(compute_dtype=jnp.bfloat16)`` for mixed
+    precision.
   """
   if fun is None:
-    return functools.partial(immediate_layer, name=name)
+    return functools.partial(immediate_layer, name=name,
+                             compute_dtype=compute_dtype)
   if not callable(fun):
     raise TypeError(
         f"immgrad.immediate_layer expects a function fun(x, params), got "
         f"{fun!r}.")
   layer_name = name or getattr(fun, "__qualname__", None) or repr(fun)
   _check_signature(fun, layer_name)
+  compute = fun if compute_dtype is None else _in_dtype(fun, compute_dtype)
 
   @functools.wraps(fun)
   def layer(x, params):
     step = context.current()
     if step is None:
-      return fun(x, params)
+      return compute(x, params)
     slots = step.claim(layer_name, params)
-    return _immediate(fun, step, slots, jax.tree.structure(params), x)
+    return _immediate(compute, step, slots, jax.tree.structure(params), x)
 
   return layer
+
+
+def _in_dtype(fun: Callable, dtype: Any) -> Callable:
+  """``fun`` with the floating leaves of its arguments cast to ``dtype``."""
+  def cast(tree):
+    return jax.tree.map(
+        lambda a: a.astype(dtype)
+        if jnp.issubdtype(jnp.result_type(a), jnp.floating) else a, tree)
+
+  return lambda x, params: fun(cast(x), cast(params))
 
 
 def _check_signature(fun: Callable, layer_name: str) -> None:
