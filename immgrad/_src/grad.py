@@ -102,10 +102,9 @@ def value_and_grad(fun: Callable[..., Any], tx: optax.GradientTransformation,
 
   def step(params, opt_state, *args):
     axes.check_bound(axis_name)
-    treedef = jax.tree.structure(params)
-    paths = [jax.tree_util.keystr(p) for p, _ in
-             jax.tree_util.tree_flatten_with_path(params)[0]]
-    leaves = treedef.flatten_up_to(params)
+    keyed, treedef = jax.tree_util.tree_flatten_with_path(params)
+    paths = [jax.tree_util.keystr(path) for path, _ in keyed]
+    leaves = [leaf for _, leaf in keyed]
     states = shim_lib.flatten_like(
         treedef, shim_lib.state_of(opt_state), "opt_state")
     _check_states(tx.inner, paths, leaves, states)

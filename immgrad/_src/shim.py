@@ -283,7 +283,9 @@ def shim(tx: optax.GradientTransformation, *,
         states.append(s)
     rejected = state.rejected
     if atomic:
-      ok = _all_finite((grads, updates, states))
+      # A Stepped leaf's new weights and state are in updates and states.
+      ordinary = [g for g in grads if not isinstance(g, Stepped)]
+      ok = _all_finite((ordinary, updates, states))
       updates = [jnp.where(ok, u, jnp.asarray(-0.0, u.dtype)) for u in updates]
       states = jax.tree.map(lambda new, old: jnp.where(ok, new, old), states,
                             old_states)
