@@ -2,6 +2,7 @@
 
 from importlib import metadata as _metadata
 
+from immgrad._src.clipping import clip_by_layer_norm as clip_by_layer_norm
 from immgrad._src.grad import value_and_grad as value_and_grad
 from immgrad._src.layer import immediate_layer as immediate_layer
 from immgrad._src.shim import ShimState as ShimState
@@ -18,6 +19,7 @@ __all__ = (
     "ShimState",
     "ShimTransformation",
     "Stepped",
+    "clip_by_layer_norm",
     "immediate_layer",
     "shim",
     "value_and_grad",
