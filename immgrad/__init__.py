@@ -2,6 +2,8 @@
 
 from importlib import metadata as _metadata
 
+from immgrad._src.checkpoint import restore_checkpoint as restore_checkpoint
+from immgrad._src.checkpoint import save_checkpoint as save_checkpoint
 from immgrad._src.clipping import clip_by_layer_norm as clip_by_layer_norm
 from immgrad._src.grad import value_and_grad as value_and_grad
 from immgrad._src.layer import immediate_layer as immediate_layer
@@ -21,6 +23,8 @@ __all__ = (
     "Stepped",
     "clip_by_layer_norm",
     "immediate_layer",
+    "restore_checkpoint",
+    "save_checkpoint",
     "shim",
     "value_and_grad",
 )
