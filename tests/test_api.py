@@ -1,4 +1,7 @@
-"""The decorator outside a step, options, and errors for bad calls."""
+"""The decorator outside a step, its options, has_aux, integer inputs.
+
+Errors for bad calls are in test_bad_input.py.
+"""
 
 import chex
 import jax
@@ -42,15 +45,6 @@ def test_layer_name_appears_in_errors():
     immgrad.value_and_grad(loss_fn, tx)(PARAMS, tx.init(PARAMS), X)
 
 
-def test_wrong_signature_is_a_type_error():
-  with pytest.raises(TypeError, match="'three'.*fun\\(x, params\\)"):
-    immgrad.immediate_layer(lambda x, p, extra: x, name="three")
-  with pytest.raises(TypeError, match="fun\\(x, params\\)"):
-    immgrad.immediate_layer(lambda x: x)
-  with pytest.raises(TypeError, match="expects a function"):
-    immgrad.immediate_layer(3)
-
-
 def test_has_aux():
   layer = immgrad.immediate_layer(affine)
   tx = immgrad.shim(optax.sgd(0.1))
@@ -65,38 +59,6 @@ def test_has_aux():
   chex.assert_trees_all_close(loss, jnp.mean(y ** 2))
   chex.assert_trees_all_close(aux["mean"], jnp.mean(y))
   assert isinstance(grads["w"], immgrad.Stepped)
-
-
-def test_bad_arguments_are_clear_errors():
-  tx = immgrad.shim(optax.sgd(0.1))
-  loss_fn = lambda p, x: jnp.sum(immgrad.immediate_layer(affine)(x, p))
-  with pytest.raises(ValueError, match="mode must be one of"):
-    immgrad.value_and_grad(loss_fn, tx, mode="fresh")
-  with pytest.raises(TypeError, match=r"immgrad.shim\(...\)"):
-    immgrad.value_and_grad(loss_fn, optax.sgd(0.1))
-  with pytest.raises(ValueError, match="axis 'batch' is not bound"):
-    immgrad.value_and_grad(loss_fn, tx, axis_name="batch")(
-        PARAMS, tx.init(PARAMS), X)
-  with pytest.raises(TypeError, match="scalar loss"):
-    immgrad.value_and_grad(lambda p, x: affine(x, p), tx)(
-        PARAMS, tx.init(PARAMS), X)
-  with pytest.raises(TypeError, match="from immgrad.shim"):
-    immgrad.value_and_grad(loss_fn, tx)(PARAMS, optax.sgd(0.1).init(PARAMS),
-                                        X)
-
-
-def test_mismatched_opt_state_is_a_clear_error():
-  loss_fn = lambda p, x: jnp.sum(immgrad.immediate_layer(affine)(x, p))
-  tx = immgrad.shim(optax.adam(1e-3))
-  other_model = tx.init({"w": PARAMS["w"]})
-  with pytest.raises(ValueError, match="opt_state does not match"):
-    immgrad.value_and_grad(loss_fn, tx)(PARAMS, other_model, X)
-  other_optimizer = immgrad.shim(optax.sgd(0.1, momentum=0.9)).init(PARAMS)
-  with pytest.raises(ValueError, match=r"parameter \['b'\] does not match"):
-    immgrad.value_and_grad(loss_fn, tx)(PARAMS, other_optimizer, X)
-  other_shapes = tx.init({"w": jnp.ones((3, 3)), "b": jnp.ones(2)})
-  with pytest.raises(ValueError, match=r"parameter \['w'\] does not match"):
-    immgrad.value_and_grad(loss_fn, tx)(PARAMS, other_shapes, X)
 
 
 def test_integer_inputs_pass_through():

@@ -30,23 +30,6 @@ def _data():
   return jnp.linspace(-1, 1, 12).reshape(4, 3), jnp.ones((4, 2))
 
 
-@pytest.mark.parametrize("tx, culprit", [
-    (optax.clip_by_global_norm(1.0), "clip_by_global_norm"),
-    (optax.chain(optax.adam(1e-3), optax.clip_by_global_norm(1.0)),
-     "chain: clip_by_global_norm"),
-    (optax.MultiSteps(optax.adam(1e-3), 4).gradient_transformation(),
-     "MultiSteps"),
-    (optax.apply_if_finite(optax.adam(1e-3), 3), "apply_if_finite"),
-    (optax.normalize_by_update_norm(), "normalize_by_update_norm"),
-    (optax.adamw(1e-3, mask={"w": True}), "chain: masked"),
-], ids=["clip_by_global_norm", "chained_after_adam", "MultiSteps",
-        "apply_if_finite", "normalize_by_update_norm", "mask_tree"])
-def test_whole_tree_transformations_are_rejected_by_name(tx, culprit):
-  with pytest.raises(ValueError, match=f"immgrad.shim\\({culprit}\\).*"
-                     "does not act on each parameter separately"):
-    immgrad.shim(tx)
-
-
 @pytest.mark.parametrize("tx", [
     optax.sgd(0.1, momentum=0.9, nesterov=True), optax.adam(1e-3),
     optax.adamw(optax.cosine_decay_schedule(1e-3, 100)), optax.lion(1e-3),
@@ -172,23 +155,3 @@ def test_plain_gradients_train_like_tx():
     ub, sb = opt.update(plain(b, *_data()), sb, b)
     a, b = optax.apply_updates(a, ua), optax.apply_updates(b, ub)
   chex.assert_trees_all_close(a, b, rtol=1e-6, atol=1e-8)
-
-
-def test_non_float_parameter_is_rejected_by_path():
-  tx = immgrad.shim(optax.adam(1e-3))
-  with pytest.raises(TypeError, match=r"\['l1'\]\['steps'\].*int32"):
-    tx.init({"l1": {"w": jnp.ones(2), "steps": jnp.zeros((), jnp.int32)}})
-  with pytest.raises(TypeError, match=r"\['c'\].*complex64"):
-    tx.init({"c": jnp.ones(2, jnp.complex64)})
-
-
-def test_update_needs_params():
-  tx = immgrad.shim(optax.sgd(0.1))
-  params = {"w": jnp.ones(2)}
-  with pytest.raises(ValueError, match="needs params"):
-    tx.update(params, tx.init(params))
-
-
-def test_shim_needs_a_gradient_transformation():
-  with pytest.raises(TypeError, match="GradientTransformation"):
-    immgrad.shim(lambda g: g)

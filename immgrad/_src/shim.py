@@ -269,11 +269,12 @@ def shim(tx: optax.GradientTransformation, *,
       raise ValueError(
           "immgrad.shim: update needs params: call "
           "tx.update(grads, opt_state, params).")
-    treedef = jax.tree.structure(params)
+    keyed, treedef = jax.tree_util.tree_flatten_with_path(params)
     grads = flatten_like(treedef, grads, "grads")
     old_states = flatten_like(treedef, state_of(state), "opt_state")
     updates, states = [], []
-    for g, s, p in zip(grads, old_states, treedef.flatten_up_to(params)):
+    for (path, p), g, s in zip(keyed, grads, old_states):
+      _check_like(path, g.params if isinstance(g, Stepped) else g, p)
       if isinstance(g, Stepped):
         updates.append(g.params - p)
         states.append(g.state)
@@ -296,6 +297,18 @@ def shim(tx: optax.GradientTransformation, *,
   result = ShimTransformation(init_fn, update_fn)
   result._inner = tx  # pylint: disable=protected-access
   return result
+
+
+def _check_like(path, value, param) -> None:
+  """A clear error if a gradient or new value does not fit its parameter."""
+  got = (jnp.shape(value), jnp.result_type(value))
+  want = (jnp.shape(param), jnp.result_type(param))
+  if got != want:
+    raise ValueError(
+        f"immgrad.shim: the gradient or new value for parameter "
+        f"{jax.tree_util.keystr(path)} is {got[1]}{list(got[0])}, but the "
+        f"parameter is {want[1]}{list(want[0])}. Did the params change "
+        "shape between value_and_grad and update?")
 
 
 def _all_finite(tree: Any) -> chex.Array:
