@@ -48,7 +48,8 @@ def test_odd_dtypes_round_trip_bit_for_bit(tmp_path):
   tree = {"bf16": jnp.array([1.5, -0.0, jnp.inf], jnp.bfloat16),
           "count": jnp.array(2**31 - 1, jnp.int32),
           "nan": jnp.array([jnp.nan, -0.0]),
-          "flag": jnp.array(True)}
+          "flag": jnp.array(True),
+          "mlp/~/linear_0": jnp.arange(3.0)}  # Haiku's names have slashes.
   path = str(tmp_path / "odd.npz")
   immgrad.save_checkpoint(path, tree)
   back = immgrad.restore_checkpoint(path, tree)
