@@ -24,6 +24,40 @@ import jax
 from jax.extend.core import get_opaque_trace_state
 
 
+_NOT_A_PARAMETER = (
+    "immediate layer {layer!r} got params{where} that is not a parameter "
+    "leaf given to immgrad.value_and_grad. Pass the parameter itself, "
+    "unchanged: no cast, scale, arithmetic or slicing between the params "
+    "tree and the layer (a cast belongs inside the layer: "
+    "immediate_layer(compute_dtype=...); a Haiku custom getter that casts "
+    "parameters makes such a copy too), and no JAX or Haiku transformation "
+    "that hands the layer a copy (vmap, jit, cond, a loop; hk.vmap, hk.jit, "
+    "hk.cond, ...). Stacked layers: immgrad.scan (in Haiku, hk.layer_stack "
+    "inside immgrad.haiku.immediate). Rematerialisation: immgrad.checkpoint "
+    "(in Haiku, hk.remat inside immgrad.haiku.immediate).")
+
+_NESTED = (
+    "immediate layer {layer!r} was called on parameter {path} inside a "
+    "transformation within the loss that does not pass the parameter in: "
+    "lax.scan, lax.cond/switch, a while/fori loop, vmap, an inner jit, "
+    "jax.checkpoint, or Haiku's hk.scan, hk.cond, hk.switch, hk.vmap, "
+    "hk.jit, hk.fori_loop. Its weight update must run exactly once per "
+    "step, which JAX does not promise there: a loop body runs it once per "
+    "iteration and a vmapped one once per example, and JAX would add up "
+    "the new weights; a branch may not run it at all. Call the layer at "
+    "the top level of the loss. Stacked layers: pass the stacked "
+    "parameters as xs of immgrad.scan (in Haiku, hk.layer_stack inside "
+    "immgrad.haiku.immediate, or immgrad.haiku.layer_stack). "
+    "Rematerialisation: pass them as arguments of immgrad.checkpoint (in "
+    "Haiku, hk.remat inside immgrad.haiku.immediate).")
+
+_TWICE = (
+    "parameter {path} reaches two immediate layer calls ({first!r} and "
+    "{second!r}) in one step. Each would return its own new weights and JAX "
+    "would add them. Give each call its own parameter, or use an ordinary "
+    "(undecorated) layer for shared weights.")
+
+
 @dataclasses.dataclass(eq=False)
 class Slot:
   """One parameter leaf of one step, and what happened to it."""
@@ -35,37 +69,45 @@ class Slot:
   layer: Optional[str] = None  # The immediate layer call that claimed it.
   stepped: bool = False  # That layer's backward rule ran.
   ordinary: bool = False  # An ordinary use sent back a nonzero cotangent.
+  # For a slice made by ``immgrad.scan`` (or an argument of a nested trace):
+  # the outer slot it came from, and the call that made it.
+  parent: Optional["Slot"] = None
+  origin: Any = None
+  _claims: Any = None  # On a parent: the origin and layer that claimed it.
 
+  def claim(self, layer: str) -> None:
+    """Marks this slot, and the slots it was sliced from, as ``layer``'s."""
+    if self.layer is not None:
+      raise ValueError(_TWICE.format(path=self.path, first=self.layer,
+                                     second=layer))
+    self.layer = layer
+    child, slot = self, self.parent
+    while slot is not None:
+      # A body JAX traces twice (scan retraces on a weak-typed carry) claims
+      # again from the same call: that is not a second use.
+      if slot.layer is not None and slot._claims != (child.origin, layer):
+        raise ValueError(_TWICE.format(path=slot.path, first=slot.layer,
+                                       second=layer))
+      slot.layer, slot._claims = layer, (child.origin, layer)
+      child, slot = slot, slot.parent
 
-_NOT_A_PARAMETER = (
-    "immediate layer {layer!r} got params{where} that is not a parameter "
-    "leaf given to immgrad.value_and_grad. Pass the parameter itself, "
-    "unchanged: no cast, scale, arithmetic or slicing between the params "
-    "tree and the layer (a cast belongs inside the layer function), and no "
-    "jax.checkpoint, lax.scan, lax.cond, vmap or jit between them.")
-
-_NESTED = (
-    "immediate layer {layer!r} was called on parameter {path} inside a JAX "
-    "transformation (lax.scan, lax.cond, jax.checkpoint, vmap, an inner "
-    "jit, ...) within the loss. Its weight update must run exactly once per "
-    "step, which JAX does not promise there (a scan body would run it once "
-    "per iteration and sum the new weights). Call the layer at the top "
-    "level of the loss function.")
-
-_TWICE = (
-    "parameter {path} reaches two immediate layer calls ({first!r} and "
-    "{second!r}) in one step. Each would return its own new weights and JAX "
-    "would add them. Give each call its own parameter, or use an ordinary "
-    "(undecorated) layer for shared weights.")
+  def mark_stepped(self) -> None:
+    """Records that the claiming layer's backward rule produced new values."""
+    slot = self
+    while slot is not None:
+      slot.stepped = True
+      slot = slot.parent
 
 
 class Step:
   """The parameters of one ``value_and_grad`` step, by object identity."""
 
-  def __init__(self, tx, mode: str, axis_name):
+  def __init__(self, tx, mode: str, axis_name,
+               parent: Optional["Step"] = None):
     self.tx = tx
     self.mode = mode
     self.axis_name = axis_name
+    self.parent = parent  # The step of the enclosing trace, if nested.
     self.slots: list[Slot] = []
     self._by_id: dict[int, Slot] = {}
     self._trace = None  # Set by `opened`, in the trace of the loss.
@@ -74,22 +116,36 @@ class Step:
     self.slots.append(slot)
     self._by_id[id(slot.view)] = slot
 
+  def find(self, leaf: Any, user: str) -> Optional[Slot]:
+    """The slot whose view ``leaf`` is, or None; ``user`` names the caller.
+
+    Raises if ``leaf`` is a view of this step or an enclosing one but we
+    are not in the trace it was made in.
+    """
+    step = self
+    while step is not None:
+      slot = step._by_id.get(id(leaf))  # pylint: disable=protected-access
+      if slot is not None:
+        if step is not self or get_opaque_trace_state() != self._trace:
+          raise ValueError(_NESTED.format(layer=user, path=slot.path))
+        return slot
+      step = step.parent
+    return None
+
   def claim(self, layer: str, params: Any) -> list[Slot]:
     """Returns the slots of ``params``'s leaves, now owned by ``layer``."""
     found = []
     for keypath, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-      slot = self._by_id.get(id(leaf))
+      slot = self.find(leaf, layer)
       if slot is None:
         where = jax.tree_util.keystr(keypath)
         raise ValueError(_NOT_A_PARAMETER.format(layer=layer, where=where))
-      if get_opaque_trace_state() != self._trace:
-        raise ValueError(_NESTED.format(layer=layer, path=slot.path))
-      if slot.layer is not None or slot in found:
-        raise ValueError(_TWICE.format(
-            path=slot.path, first=slot.layer or layer, second=layer))
+      if slot in found:
+        raise ValueError(_TWICE.format(path=slot.path, first=layer,
+                                       second=layer))
       found.append(slot)
     for slot in found:
-      slot.layer = layer
+      slot.claim(layer)
     return found
 
 

@@ -149,7 +149,7 @@ def _immediate(fun, step: context.Step, slots, treedef, x):
           g, state_lib.decode(s, slot.state_like), w)
       new_weights.append(optax.apply_updates(w, updates))
       new_states.append(state_lib.encode(new_state))
-      slot.stepped = True
+      slot.mark_stepped()
     if step.mode == "updated":
       new = treedef.unflatten(new_weights)
       _, vjp_x = jax.vjp(lambda x: fun(x, new), x)

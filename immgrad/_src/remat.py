@@ -1,0 +1,87 @@
+"""``immgrad.checkpoint``: ``jax.checkpoint`` around immediate layers.
+
+``jax.checkpoint`` traces its function with fresh tracers for the
+arguments, so an immediate layer inside cannot find its parameter (and one
+closed over would be refused, see ``context.py``). ``immgrad.checkpoint``
+has ``jax.checkpoint``'s signature; for every argument leaf that is a
+parameter of the current step it passes the leaf's hidden weight and
+optimizer-state channels in as extra arguments and, inside, registers the
+fresh tracers as that step's parameters. Rematerialisation re-runs the
+forward pass only: a layer's forward rule saves what its backward rule
+needs, and the backward rule, where the update happens, runs once per step.
+"""
+
+import functools
+from typing import Callable
+
+import jax
+
+from immgrad._src import context
+
+
+def checkpoint(fun: Callable, *, prevent_cse=True, policy=None,
+               static_argnums=(), static_argnames=(), **kwargs) -> Callable:
+  """``jax.checkpoint`` for functions that call immediate layers.
+
+  Pass the parameters the function's immediate layers use as arguments
+  (unchanged from the params tree), not by closure. Outside
+  ``immgrad.value_and_grad`` this is ``jax.checkpoint``; arguments are
+  ``jax.checkpoint``'s.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import immgrad
+    >>> @immgrad.immediate_layer
+    ... def dense(x, p):
+    ...   return x @ p["w"]
+    >>> @immgrad.checkpoint
+    ... def block(x, p):
+    ...   return jnp.tanh(dense(x, p))
+    >>> def loss_fn(params, x):
+    ...   return jnp.mean(block(x, params["block"]) ** 2)
+    >>> params = {"block": {"w": jnp.eye(3)}}
+    >>> tx = immgrad.shim(optax.sgd(0.1))
+    >>> loss, grads = immgrad.value_and_grad(loss_fn, tx)(
+    ...     params, tx.init(params), jnp.ones((2, 3)))
+    >>> isinstance(grads["block"]["w"], immgrad.Stepped)
+    True
+  """
+  options = dict(prevent_cse=prevent_cse, policy=policy,
+                 static_argnames=static_argnames, **kwargs)
+  if isinstance(static_argnums, int):
+    static_argnums = (static_argnums,)
+
+  @functools.wraps(fun)
+  def wrapped(*args, **call_kwargs):
+    def plain():
+      return jax.checkpoint(fun, static_argnums=static_argnums, **options)(
+          *args, **call_kwargs)
+
+    step = context.current()
+    if step is None:
+      return plain()
+    leaves = jax.tree.leaves((args, call_kwargs))
+    found = [(i, step.find(leaf, "immgrad.checkpoint"))
+             for i, leaf in enumerate(leaves)]
+    found = [(i, slot) for i, slot in found if slot is not None]
+    if not found:
+      return plain()
+    origin = object()
+
+    def inner(channels, *args, **call_kwargs):
+      nested = context.Step(step.tx, step.mode, step.axis_name, parent=step)
+      views = jax.tree.leaves((args, call_kwargs))
+      for (i, slot), (weight, state) in zip(found, channels):
+        nested.add(context.Slot(
+            path=slot.path, view=views[i], weight=weight, state=state,
+            state_like=slot.state_like, parent=slot, origin=origin))
+      with context.opened(nested):
+        return fun(*args, **call_kwargs)
+
+    # The channels come first: static positions move up by one.
+    shifted = tuple((i % len(args)) + 1 for i in static_argnums)
+    channels = [(slot.weight, slot.state) for _, slot in found]
+    return jax.checkpoint(inner, static_argnums=shifted, **options)(
+        channels, *args, **call_kwargs)
+
+  return wrapped

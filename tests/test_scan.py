@@ -1,0 +1,223 @@
+"""immgrad.scan and immgrad.checkpoint (raw JAX) against unrolled references.
+
+A stack of dense layers scanned with ``immgrad.scan`` must train exactly as
+the same layers unrolled: ``mode="current"`` as plain ``jax.value_and_grad``
++ optax on the unrolled model, ``mode="updated"`` as the sequential
+re-linearization. ``immgrad.checkpoint`` must change nothing and run each
+update once. Tolerance as in test_current.py (atol=1e-6, rtol=1e-5 over 5
+steps: float32 rounding of differently fused programs); a summed,
+skipped or repeated update is off by far more.
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import immgrad
+import oracles
+
+ATOL, RTOL = 1e-6, 1e-5
+LAYERS, WIDTH, STEPS = 4, 5, 5
+
+dense = immgrad.immediate_layer(oracles.dense)
+
+
+def _params():
+  chain, unrolled = oracles.mlp([WIDTH] * (LAYERS + 1) + [3],
+                                jax.random.PRNGKey(0), act=jnp.tanh)
+  return chain, unrolled
+
+
+def _stacked(unrolled):
+  blocks = [unrolled[f"layer{i}"] for i in range(LAYERS)]
+  return {"blocks": jax.tree.map(lambda *a: jnp.stack(a), *blocks),
+          "head": unrolled[f"layer{LAYERS}"]}
+
+
+def _scan_loss(reverse=False):
+  def loss_fn(params, x, y):
+    def block(h, p):
+      return jnp.tanh(dense(h, p)), None
+    h, _ = immgrad.scan(block, x, params["blocks"], reverse=reverse)
+    return oracles.mse(dense(h, params["head"]), y)
+  return loss_fn
+
+
+def _data():
+  return oracles.batches(jax.random.PRNGKey(1), STEPS, (8, WIDTH), (8, 3))
+
+
+def _expected(kind, opt, chain, unrolled, data):
+  if kind == "current":
+    history, losses = oracles.plain_steps(chain.loss_fn(), opt, unrolled,
+                                          data)
+  else:
+    history, losses = oracles.sequential_steps(chain, opt, unrolled, data)
+  return [_stacked(p) for p in history], losses
+
+
+OPTIMIZERS = {
+    "sgd": lambda: optax.sgd(0.1),
+    "adam": lambda: optax.adam(1e-2),
+    "lion": lambda: optax.lion(1e-3),
+    "clip_by_layer_norm": lambda: optax.chain(
+        immgrad.clip_by_layer_norm(0.05), optax.sgd(0.1)),
+}
+
+
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+@pytest.mark.parametrize("mode", ["current", "updated"])
+def test_scan_equals_unrolled(mode, opt_name):
+  """A per-tensor rule (the clip) sees one layer's slice, as unrolled."""
+  chain, unrolled = _params()
+  data = _data()
+  opt = OPTIMIZERS[opt_name]()
+  got = oracles.immediate_steps(_scan_loss(), opt, _stacked(unrolled), data,
+                                mode=mode)
+  oracles.assert_runs_close(got, _expected(mode, opt, chain, unrolled, data),
+                            atol=ATOL, rtol=RTOL)
+
+
+def test_reverse_scan_equals_reversed_layers():
+  chain, unrolled = _params()
+  data = _data()
+  flipped = dict(unrolled)
+  for i in range(LAYERS):
+    flipped[f"layer{i}"] = unrolled[f"layer{LAYERS - 1 - i}"]
+  opt = optax.adam(1e-2)
+  history, losses = oracles.sequential_steps(chain, opt, flipped, data)
+  expected = []
+  for p in history:
+    back = dict(p)
+    for i in range(LAYERS):
+      back[f"layer{i}"] = p[f"layer{LAYERS - 1 - i}"]
+    expected.append(_stacked(back))
+  got = oracles.immediate_steps(_scan_loss(reverse=True), opt,
+                                _stacked(unrolled), data, mode="updated")
+  oracles.assert_runs_close(got, (expected, losses), atol=ATOL, rtol=RTOL)
+
+
+def test_shared_step_count_is_one_per_step():
+  """adam's int32 count is shared by the layers: it advances by one."""
+  _, unrolled = _params()
+  params = _stacked(unrolled)
+  tx = immgrad.shim(optax.adam(1e-2))
+  state = tx.init(params)
+  step = jax.jit(immgrad.value_and_grad(_scan_loss(), tx))
+  for x, y in _data():
+    _, grads = step(params, state, x, y)
+    updates, state = tx.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+  counts = [leaf for leaf in jax.tree.leaves(state.inner)
+            if jnp.issubdtype(leaf.dtype, jnp.integer)]
+  assert [int(c) for c in counts] == [STEPS] * len(counts)
+
+
+def test_scan_without_parameters_is_lax_scan():
+  def f(c, x):
+    return c + x, c * x
+  xs = jnp.arange(4.0)
+  chex.assert_trees_all_equal(immgrad.scan(f, 1.0, xs),
+                              jax.lax.scan(f, 1.0, xs))
+
+
+def _per_leaf_norm():
+  """A per-tensor rule whose float state has no layer axis."""
+  def init(params):
+    return jax.tree.map(lambda p: jnp.zeros(()), params)
+
+  def update(grads, state, params=None):
+    del state, params
+    norms = jax.tree.map(lambda g: jnp.sqrt(jnp.sum(g ** 2)), grads)
+    return jax.tree.map(lambda g, n: g / (n + 1.0), grads, norms), norms
+
+  return optax.GradientTransformation(init, update)
+
+
+@pytest.mark.parametrize("opt", [
+    _per_leaf_norm,
+    # Factors a stacked (layers, width) bias, but not one layer's (width,).
+    lambda: optax.adafactor(1e-2, min_dim_size_to_factor=2),
+], ids=["scalar_float_state", "adafactor"])
+def test_state_that_cannot_be_split_per_layer_is_an_error(opt):
+  _, unrolled = _params()
+  params = _stacked(unrolled)
+  tx = immgrad.shim(opt())
+  x, y = _data()[0]
+  with pytest.raises(ValueError, match=r"stacked parameter \['blocks'\]"):
+    immgrad.value_and_grad(_scan_loss(), tx)(params, tx.init(params), x, y)
+
+
+def test_stacked_parameter_used_by_two_scans_is_an_error():
+  def loss_fn(params, x, y):
+    body = lambda h, p: (jnp.tanh(dense(h, p)), None)
+    h, _ = immgrad.scan(body, x, params["blocks"])
+    h, _ = immgrad.scan(body, h, params["blocks"])
+    return oracles.mse(dense(h, params["head"]), y)
+
+  _, unrolled = _params()
+  params = _stacked(unrolled)
+  tx = immgrad.shim(optax.sgd(0.1))
+  with pytest.raises(ValueError, match="reaches two immediate layer calls"):
+    immgrad.value_and_grad(loss_fn, tx)(params, tx.init(params), *_data()[0])
+
+
+def _counting(opt, calls):
+  def update(grads, state, params=None):
+    jax.debug.callback(lambda: calls.append(1))
+    return opt.update(grads, state, params)
+  return optax.GradientTransformation(opt.init, update)
+
+
+@pytest.mark.parametrize("policy", [None,
+                                    jax.checkpoint_policies.nothing_saveable])
+@pytest.mark.parametrize("mode", ["current", "updated"])
+def test_checkpoint_changes_nothing_and_updates_once(mode, policy):
+  chain, unrolled = _params()
+  data = _data()
+
+  def block(h, p, act):  # ``act`` is static.
+    return act(dense(h, p))
+
+  remat = immgrad.checkpoint(block, policy=policy, static_argnums=(2,))
+
+  def loss_fn(params, x, y):
+    h = x
+    for i in range(LAYERS):
+      h = remat(h, params[f"layer{i}"], jnp.tanh)
+    return oracles.mse(dense(h, params[f"layer{LAYERS}"]), y)
+
+  calls = []
+  got = oracles.immediate_steps(loss_fn, _counting(optax.adam(1e-2), calls),
+                                unrolled, data, mode=mode)
+  jax.effects_barrier()
+  assert len(calls) == STEPS * len(jax.tree.leaves(unrolled))
+  opt = optax.adam(1e-2)
+  if mode == "current":
+    expected = oracles.plain_steps(chain.loss_fn(), opt, unrolled, data)
+  else:
+    expected = oracles.sequential_steps(chain, opt, unrolled, data)
+  oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
+
+
+def test_scan_inside_checkpoint():
+  """Remat around a scanned stack: both wrappers nest."""
+  chain, unrolled = _params()
+  data = _data()
+
+  def loss_fn(params, x, y):
+    def stack(h, blocks):
+      return immgrad.scan(lambda h, p: (jnp.tanh(dense(h, p)), None), h,
+                          blocks)[0]
+    h = immgrad.checkpoint(stack)(x, params["blocks"])
+    return oracles.mse(dense(h, params["head"]), y)
+
+  opt = optax.adam(1e-2)
+  got = oracles.immediate_steps(loss_fn, opt, _stacked(unrolled), data,
+                                mode="updated")
+  oracles.assert_runs_close(got, _expected("updated", opt, chain, unrolled,
+                                           data), atol=ATOL, rtol=RTOL)
+  assert np.all(np.isfinite(got[1]))
