@@ -7,10 +7,14 @@ from immgrad._src.checkpoint import save_checkpoint as save_checkpoint
 from immgrad._src.clipping import clip_by_layer_norm as clip_by_layer_norm
 from immgrad._src.grad import value_and_grad as value_and_grad
 from immgrad._src.layer import immediate_layer as immediate_layer
+from immgrad._src.remat import checkpoint as checkpoint
+from immgrad._src.scan import scan as scan
 from immgrad._src.shim import ShimState as ShimState
 from immgrad._src.shim import ShimTransformation as ShimTransformation
 from immgrad._src.shim import Stepped as Stepped
 from immgrad._src.shim import shim as shim
+
+from immgrad import haiku as haiku  # pylint: disable=g-bad-import-order
 
 try:
   __version__ = _metadata.version("immgrad")
@@ -21,10 +25,13 @@ __all__ = (
     "ShimState",
     "ShimTransformation",
     "Stepped",
+    "checkpoint",
     "clip_by_layer_norm",
+    "haiku",
     "immediate_layer",
     "restore_checkpoint",
     "save_checkpoint",
+    "scan",
     "shim",
     "value_and_grad",
 )

@@ -1,0 +1,392 @@
+"""Unmodified Haiku models made immediate, and Haiku's own transforms.
+
+References: plain Haiku + ``jax.value_and_grad`` + optax on the very same
+model (``mode="current"``), and the hand-written sequential
+re-linearization (``mode="updated"``, oracles.sequential_steps). Tolerance
+as everywhere (atol=1e-6, rtol=1e-5 over 5 adam steps: float32 rounding of
+differently fused programs). Where a model is chaotic the test keeps it
+out of that regime, as said there: then rounding is all that differs.
+"""
+
+import chex
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import immgrad
+import immgrad.haiku
+import oracles
+
+ATOL, RTOL = 1e-6, 1e-5
+STEPS = 5
+
+
+def _mse_loss(model):
+  def loss_fn(params, x, y):
+    return oracles.mse(model.apply(params, x), y)
+  return loss_fn
+
+
+def _without_rng(fn):
+  return hk.without_apply_rng(hk.transform(fn))
+
+
+# -- hk.nets.MLP ------------------------------------------------------------
+
+def _mlp(x):
+  return hk.nets.MLP([16, 16, 3])(x)
+
+
+def _mlp_setup():
+  model = _without_rng(_mlp)
+  data = oracles.batches(jax.random.PRNGKey(1), STEPS, (8, 5), (8, 3))
+  params = model.init(jax.random.PRNGKey(0), data[0][0])
+  return params, data
+
+
+def test_mlp_current_equals_plain():
+  params, data = _mlp_setup()
+  opt = optax.adam(1e-2)
+  expected = oracles.plain_steps(_mse_loss(_without_rng(_mlp)), opt, params,
+                                 data)
+  got = oracles.immediate_steps(
+      _mse_loss(_without_rng(immgrad.haiku.immediate(_mlp))), opt, params,
+      data, mode="current")
+  oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
+
+
+def test_mlp_updated_equals_sequential_reference():
+  params, data = _mlp_setup()
+  names = tuple(f"mlp/~/linear_{i}" for i in range(3))
+  chain = oracles.Chain((oracles.dense,) * 3, names,
+                        (jax.nn.relu, jax.nn.relu, oracles.identity),
+                        oracles.mse)
+  opt = optax.adam(1e-2)
+  expected = oracles.sequential_steps(chain, opt, params, data)
+  got = oracles.immediate_steps(
+      _mse_loss(_without_rng(immgrad.haiku.immediate(_mlp))), opt, params,
+      data, mode="updated")
+  oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
+
+
+# -- a small transformer: Embed, MultiHeadAttention, LayerNorm, MLP ---------
+
+VOCAB, SEQ, D_MODEL, HEADS = 13, 6, 16, 2
+
+
+def _block(h, mask, dropout):
+  a = hk.LayerNorm(-1, True, True)(h)
+  a = hk.MultiHeadAttention(
+      HEADS, D_MODEL // HEADS,
+      w_init=hk.initializers.VarianceScaling(1.0))(a, a, a, mask=mask)
+  h = h + (hk.dropout(hk.next_rng_key(), 0.1, a) if dropout else a)
+  m = hk.LayerNorm(-1, True, True)(h)
+  m = hk.Linear(D_MODEL)(jax.nn.gelu(hk.Linear(2 * D_MODEL)(m)))
+  return h + m
+
+
+def _lm(tokens, dropout=True):
+  mask = jnp.tril(jnp.ones((SEQ, SEQ), bool))[None, None]
+  h = hk.Embed(VOCAB, D_MODEL)(tokens)
+  h = h + hk.get_parameter("positions", (SEQ, D_MODEL),
+                           init=hk.initializers.RandomNormal(0.1))
+  for _ in range(2):
+    h = _block(h, mask, dropout)
+  return hk.Linear(VOCAB)(hk.LayerNorm(-1, True, True)(h))
+
+
+def _lm_loss(model):
+  def loss_fn(params, rng, tokens, targets):
+    logits = model.apply(params, rng, tokens)
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits, targets).mean()
+  return loss_fn
+
+
+def test_transformer_current_equals_plain():
+  """hk.transform with an rng (dropout), attention, an ordinary parameter."""
+  keys = jax.random.split(jax.random.PRNGKey(2), 2 * STEPS)
+  data = []
+  for i in range(STEPS):
+    tokens = jax.random.randint(keys[2 * i], (4, SEQ + 1), 0, VOCAB)
+    data.append((keys[2 * i + 1], tokens[:, :-1], tokens[:, 1:]))
+  plain = hk.transform(_lm)
+  params = plain.init(jax.random.PRNGKey(0), data[0][1])
+  # Not adam: attention's key bias has a gradient that is exactly zero in
+  # exact arithmetic (softmax ignores a shift shared by all keys), and adam
+  # turns its rounding noise into steps of +-lr, in plain training as here.
+  opt = optax.chain(optax.add_decayed_weights(1e-2),
+                    optax.sgd(0.05, momentum=0.9))
+  expected = oracles.plain_steps(_lm_loss(plain), opt, params, data)
+  got = oracles.immediate_steps(
+      _lm_loss(hk.transform(immgrad.haiku.immediate(_lm))), opt, params,
+      data, mode="current")
+  oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
+
+
+# -- ResNet18 with BatchNorm state (hk.transform_with_state) ----------------
+
+def _resnet(x, is_training):
+  return hk.nets.ResNet18(10)(x, is_training=is_training)
+
+
+def _resnet_run(model, params, state, data, mode=None):
+  # At lr=0.05 the loss of this batch-4 ResNet explodes (9.6 after two
+  # steps) and a 1-ulp difference grows 10^4-fold in one step.
+  opt = optax.sgd(0.005, momentum=0.9)
+
+  def loss_fn(params, state, x, labels):
+    logits, state = model.apply(params, state, None, x, is_training=True)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    return loss.mean(), state
+
+  if mode is None:
+    tx = opt
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    value_and_grad = lambda p, s, o, *b: grad_fn(p, s, *b)
+  else:
+    tx = immgrad.shim(opt)
+    step = immgrad.value_and_grad(loss_fn, tx, mode=mode, has_aux=True)
+    value_and_grad = lambda p, s, o, *b: step(p, o, s, *b)
+
+  @jax.jit
+  def train_step(params, state, opt_state, *batch):
+    (loss, state), grads = value_and_grad(params, state, opt_state, *batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), state, opt_state, loss
+
+  opt_state = tx.init(params)
+  for batch in data:
+    params, state, opt_state, loss = train_step(params, state, opt_state,
+                                                *batch)
+  return params, state, loss
+
+
+def test_resnet18_current_equals_plain_with_batchnorm_state():
+  keys = jax.random.split(jax.random.PRNGKey(4), 2 * 3)
+  data = [(jax.random.normal(keys[2 * i], (4, 16, 16, 3)),
+           jax.random.randint(keys[2 * i + 1], (4,), 0, 10))
+          for i in range(3)]
+  plain = hk.transform_with_state(_resnet)
+  params, state = plain.init(jax.random.PRNGKey(0), data[0][0], True)
+  expected = _resnet_run(plain, params, state, data)
+  model = hk.transform_with_state(immgrad.haiku.immediate(_resnet))
+  got = _resnet_run(model, params, state, data, mode="current")
+  # The BatchNorm statistics (state) and everything else, after 3 steps.
+  chex.assert_trees_all_close(got, expected, atol=ATOL, rtol=RTOL)
+  assert not jax.tree.leaves(jax.tree.map(  # The statistics did move.
+      lambda a, b: bool(jnp.array_equal(a, b)) or None, expected[1], state))
+
+
+# -- hk.layer_stack: stacked blocks equal the same blocks unrolled ----------
+
+LAYERS, WIDTH = 4, 6
+
+
+def _stacked(stack, linear=hk.Linear):
+  def forward(x):
+    @stack(LAYERS)
+    def block(h):
+      return jnp.tanh(linear(WIDTH)(h))
+    return linear(3, name="head")(block(x))
+  return forward
+
+
+def _stack_chain():
+  names = tuple(f"block{i}" for i in range(LAYERS)) + ("head",)
+  acts = (jnp.tanh,) * LAYERS + (oracles.identity,)
+  return oracles.Chain((oracles.dense,) * (LAYERS + 1), names, acts,
+                       oracles.mse)
+
+
+_STACK = "__layer_stack_no_per_layer/linear"
+
+
+def _unstack(params):
+  out = {f"block{i}": jax.tree.map(lambda a, i=i: a[i], params[_STACK])
+         for i in range(LAYERS)}
+  out["head"] = params["head"]
+  return out
+
+
+def _stack(chain_params):
+  blocks = [chain_params[f"block{i}"] for i in range(LAYERS)]
+  return {_STACK: jax.tree.map(lambda *a: jnp.stack(a), *blocks),
+          "head": chain_params["head"]}
+
+
+STACKED = {
+    "hk.layer_stack_in_immediate":
+        lambda: _without_rng(immgrad.haiku.immediate(
+            _stacked(hk.layer_stack))),
+    "immgrad.haiku.layer_stack": lambda: _without_rng(_stacked(
+        immgrad.haiku.layer_stack, immgrad.haiku.Linear)),
+}
+
+
+def _stack_setup():
+  data = oracles.batches(jax.random.PRNGKey(1), STEPS, (8, WIDTH), (8, 3))
+  params = _without_rng(_stacked(hk.layer_stack)).init(
+      jax.random.PRNGKey(0), data[0][0])
+  return params, data
+
+
+@pytest.mark.parametrize("which", list(STACKED))
+def test_layer_stack_current_equals_plain_unrolled(which):
+  params, data = _stack_setup()
+  opt = optax.adam(1e-2)
+  chain = _stack_chain()
+  expected_params, losses = oracles.plain_steps(chain.loss_fn(), opt,
+                                                _unstack(params), data)
+  got = oracles.immediate_steps(_mse_loss(STACKED[which]()), opt, params,
+                                data, mode="current")
+  oracles.assert_runs_close(
+      got, ([_stack(p) for p in expected_params], losses), atol=ATOL,
+      rtol=RTOL)
+
+
+@pytest.mark.parametrize("which", list(STACKED))
+def test_layer_stack_updated_equals_sequential_unrolled(which):
+  params, data = _stack_setup()
+  opt = optax.adam(1e-2)
+  expected_params, losses = oracles.sequential_steps(
+      _stack_chain(), opt, _unstack(params), data)
+  got = oracles.immediate_steps(_mse_loss(STACKED[which]()), opt, params,
+                                data, mode="updated")
+  oracles.assert_runs_close(
+      got, ([_stack(p) for p in expected_params], losses), atol=ATOL,
+      rtol=RTOL)
+
+
+def _lm_stacked(tokens):
+  mask = jnp.tril(jnp.ones((SEQ, SEQ), bool))[None, None]
+  h = hk.Embed(VOCAB, D_MODEL)(tokens)
+  h = hk.layer_stack(2)(lambda h: _block(h, mask, dropout=False))(h)
+  return hk.Linear(VOCAB)(hk.LayerNorm(-1, True, True)(h))
+
+
+def test_stacked_transformer_blocks_equal_unrolled():
+  """Attention blocks under hk.layer_stack vs the same blocks unrolled."""
+  keys = jax.random.split(jax.random.PRNGKey(2), STEPS)
+  data = []
+  for key in keys:
+    tokens = jax.random.randint(key, (4, SEQ + 1), 0, VOCAB)
+    data.append((None, tokens[:, :-1], tokens[:, 1:]))
+  stacked = hk.transform(immgrad.haiku.immediate(_lm_stacked))
+  params = stacked.init(jax.random.PRNGKey(0), data[0][1])
+
+  def unrolled_forward(tokens):  # Same names as _lm, without positions.
+    mask = jnp.tril(jnp.ones((SEQ, SEQ), bool))[None, None]
+    h = hk.Embed(VOCAB, D_MODEL)(tokens)
+    for _ in range(2):
+      h = _block(h, mask, dropout=False)
+    return hk.Linear(VOCAB)(hk.LayerNorm(-1, True, True)(h))
+
+  unrolled = hk.transform(immgrad.haiku.immediate(unrolled_forward))
+  template = unrolled.init(jax.random.PRNGKey(0), data[0][1])
+
+  def to_unrolled(p):
+    out = {"embed": p["embed"], "layer_norm_4": p["layer_norm"],
+           "linear_4": p["linear"]}
+    prefix = "__layer_stack_no_per_layer/"
+    for name, leaves in p.items():
+      if name.startswith(prefix):
+        for i in range(2):
+          out[_unrolled_name(name[len(prefix):], i)] = jax.tree.map(
+              lambda a, i=i: a[i], leaves)
+    chex.assert_trees_all_equal_shapes(out, template)
+    return out
+
+  opt = optax.sgd(0.05, momentum=0.9)  # Not adam: see the transformer test.
+  for mode in ("current", "updated"):
+    a, _ = oracles.immediate_steps(_lm_loss(stacked), opt, params, data,
+                                   mode=mode)
+    b, _ = oracles.immediate_steps(_lm_loss(unrolled), opt,
+                                   to_unrolled(params), data, mode=mode)
+    chex.assert_trees_all_close(to_unrolled(a[-1]), b[-1], atol=ATOL,
+                                rtol=RTOL)
+    assert oracles.max_abs_diff(a[-1], params) > 1e-3  # It trained.
+
+
+# In the unrolled model block i's modules are numbered on from block i-1's:
+# block 0 has layer_norm, layer_norm_1, linear, linear_1 and
+# multi_head_attention; block 1 has layer_norm_2, ..., multi_head_attention_1.
+_PER_BLOCK = {"layer_norm": 2, "multi_head_attention": 1, "linear": 2}
+
+
+def _unrolled_name(stacked_name, block):
+  module, *rest = stacked_name.split("/")
+  base, _, suffix = module.rpartition("_")
+  if not suffix.isdigit():
+    base, suffix = module, "0"
+  index = int(suffix) + block * _PER_BLOCK[base]
+  return "/".join([base if index == 0 else f"{base}_{index}"] + rest)
+
+
+# -- hk.remat -------------------------------------------------------------
+
+def _remat_forward(remat):
+  def forward(x):
+    block = remat(lambda h: jnp.tanh(hk.Linear(WIDTH)(h)))
+    h = block(block(x))
+    return hk.Linear(3)(h)
+  return forward
+
+
+def _counting(opt, calls):
+  """``opt`` whose update also counts its runs, on the host, at run time."""
+  def update(grads, state, params=None):
+    jax.debug.callback(lambda: calls.append(1))
+    return opt.update(grads, state, params)
+  return optax.GradientTransformation(opt.init, update)
+
+
+@pytest.mark.parametrize("mode", ["current", "updated"])
+def test_remat_equals_no_remat_and_updates_once(mode):
+  data = oracles.batches(jax.random.PRNGKey(1), STEPS, (8, WIDTH), (8, 3))
+  with_remat = _without_rng(immgrad.haiku.immediate(
+      _remat_forward(hk.remat)))
+  without = _without_rng(immgrad.haiku.immediate(
+      _remat_forward(lambda f: f)))
+  params = without.init(jax.random.PRNGKey(0), data[0][0])
+  chex.assert_trees_all_equal_shapes(
+      with_remat.init(jax.random.PRNGKey(0), data[0][0]), params)
+  calls = []
+  got = oracles.immediate_steps(_mse_loss(with_remat),
+                                _counting(optax.adam(1e-2), calls), params,
+                                data, mode=mode)
+  jax.effects_barrier()
+  # 3 Linear calls of 2 leaves each (the block's Linear is made twice).
+  assert len(calls) == STEPS * len(jax.tree.leaves(params))
+  expected = oracles.immediate_steps(_mse_loss(without), optax.adam(1e-2),
+                                     params, data, mode=mode)
+  oracles.assert_runs_close(got, expected, atol=0, rtol=0)
+
+
+def test_hk_vmap_around_an_immediate_module_is_an_error():
+  def forward(x):
+    return hk.vmap(lambda row: hk.Linear(3)(row), split_rng=False)(x)
+
+  model = _without_rng(immgrad.haiku.immediate(forward))
+  x, y = jnp.ones((4, 5)), jnp.zeros((4, 3))
+  params = model.init(jax.random.PRNGKey(0), x)
+  tx = immgrad.shim(optax.sgd(0.1))
+  step = immgrad.value_and_grad(_mse_loss(model), tx)
+  with pytest.raises(ValueError, match="'linear'.*hk.vmap.*once per example"):
+    step(params, tx.init(params), x, y)
+
+
+def test_params_and_plain_training_unchanged_by_immediate():
+  """Outside a step ``immediate(fn)`` is ``fn``: same init, same gradients."""
+  x = jnp.ones((2, WIDTH))
+  for fn in (_mlp, _stacked(hk.layer_stack), _remat_forward(hk.remat)):
+    plain, ours = _without_rng(fn), _without_rng(immgrad.haiku.immediate(fn))
+    key = jax.random.PRNGKey(5)
+    params = plain.init(key, x)
+    chex.assert_trees_all_equal(ours.init(key, x), params)
+    grad = lambda m: jax.grad(lambda p: jnp.sum(m.apply(p, x) ** 2))(params)
+    chex.assert_trees_all_equal(grad(ours), grad(plain))
+  assert np.isfinite(float(jnp.sum(plain.apply(params, x))))
