@@ -10,3 +10,6 @@ _FLAG = "--xla_force_host_platform_device_count=4"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " +
                              _FLAG).strip()
+
+# Run as its own process by test_multiprocess.py, never imported here.
+collect_ignore = ["multiprocess_worker.py"]

@@ -1,0 +1,1 @@
+"""The cost of immediate updates, as ratios to plain JAX: ``python -m benchmarks``."""

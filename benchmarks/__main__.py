@@ -1,0 +1,148 @@
+"""``python -m benchmarks``: what immediate updates cost, against plain JAX.
+
+Run from the repository root. For each model, plain training and immgrad
+(``current``, ``updated``, and ``updated`` without the atomic check) are
+compiled and run side by side in one process; the figures are reported as
+ratios to plain training measured in the same run (see ``measure.py`` for
+how each is taken, ``models.py`` for the models and methods). Writes
+``benchmarks/results.json`` and ``benchmarks/depth.png`` (or ``--out``) and
+prints a Markdown table.
+
+``--quick`` (under 3 minutes on 2 CPU cores) times 5 steps instead of 20
+and sweeps a narrower MLP to depth 16; the default follows the full
+settings below.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+
+import jax
+
+from benchmarks import measure
+from benchmarks import models
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def settings(quick: bool) -> dict:
+  if quick:
+    return dict(warmup=1, repeats=5, mlp=dict(depth=8, width=1024, batch=256),
+                transformer=dict(batch=4),
+                depths=(2, 4, 8, 16), sweep=dict(width=256, batch=64))
+  return dict(warmup=2, repeats=20, mlp=dict(depth=8, width=1024, batch=256),
+              transformer=dict(batch=16),
+              depths=(2, 4, 8, 16, 32), sweep=dict(width=1024, batch=256))
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m benchmarks",
+                                   description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true")
+  parser.add_argument("--out", default=HERE,
+                      help="folder for results.json and depth.png")
+  args = parser.parse_args(argv)
+  s = settings(args.quick)
+  timing = dict(warmup=s["warmup"], repeats=s["repeats"])
+  results = {"settings": {**s, "optimizer": "adam(1e-3)", "quick": args.quick},
+             "machine": _machine(), "models": {}, "depth_sweep": {}}
+
+  def run(name, candidates):
+    print(f"measuring {name} ...", file=sys.stderr, flush=True)
+    figures = measure.measure(candidates, **timing)
+    results["models"][name] = {"figures": figures,
+                               "ratios": measure.ratios(figures)}
+
+  m = s["mlp"]
+  run(f"MLP {m['depth']}x{m['width']}, batch {m['batch']}", models.mlp(**m))
+  t = s["transformer"]
+  run(f"Transformer LM (4 blocks, d 256, batch {t['batch']})",
+      models.transformer(**t))
+  run(f"Transformer LM, blocks under hk.layer_stack (batch {t['batch']})",
+      models.transformer(stacked=True, **t))
+  for depth in s["depths"]:
+    print(f"measuring depth {depth} ...", file=sys.stderr, flush=True)
+    figures = measure.measure(
+        models.mlp(depth, naive=True, **s["sweep"]), **timing)
+    results["depth_sweep"][depth] = {"figures": figures,
+                                     "ratios": measure.ratios(figures)}
+
+  os.makedirs(args.out, exist_ok=True)
+  with open(os.path.join(args.out, "results.json"), "w") as f:
+    json.dump(results, f, indent=1)
+  _plot(results, os.path.join(args.out, "depth.png"))
+  print(table(results))
+  return 0
+
+
+def table(results) -> str:
+  rows = ["| model | method | FLOPs | peak memory | step time | compile time |"
+          " step ms (plain) | peak MB (plain) |",
+          "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+  for name, entry in results["models"].items():
+    plain = entry["figures"]["plain"]
+    for method, r in entry["ratios"].items():
+      if method == "plain":
+        continue
+      rows.append(
+          f"| {name} | {method} | {r['flops']:.3f} | {r['peak_bytes']:.3f} | "
+          f"{r['median_step_seconds']:.3f} | {r['compile_seconds']:.2f} | "
+          f"{plain['median_step_seconds'] * 1e3:.1f} | "
+          f"{plain['peak_bytes'] / 2**20:.1f} |")
+  rows += ["", "Depth sweep (MLP, ratio to plain at the same depth):", "",
+           "| depth | method | FLOPs | step time | peak memory |",
+           "| --- | --- | --- | --- | --- |"]
+  for depth, entry in results["depth_sweep"].items():
+    for method, r in entry["ratios"].items():
+      if method != "plain":
+        rows.append(f"| {depth} | {method} | {r['flops']:.3f} | "
+                    f"{r['median_step_seconds']:.3f} | "
+                    f"{r['peak_bytes']:.3f} |")
+  return "\n".join(rows) + "\n\nRatios are immgrad / plain, same run."
+
+
+def _plot(results, path):
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  depths = sorted(results["depth_sweep"], key=int)
+  methods = [m for m in results["depth_sweep"][depths[0]]["ratios"]
+             if m != "plain"]
+  fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+  for ax, key, label in ((axes[0], "median_step_seconds", "step time"),
+                         (axes[1], "flops", "FLOPs")):
+    for method in methods:
+      ax.plot([int(d) for d in depths],
+              [results["depth_sweep"][d]["ratios"][method][key]
+               for d in depths], marker="o", label=method)
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("MLP depth (layers)")
+    ax.set_ylabel(f"{label} / plain training")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+  sweep = results["settings"]["sweep"]
+  fig.suptitle(f"MLP width {sweep['width']}, batch {sweep['batch']}, adam; "
+               f"{platform.processor() or platform.machine()}", fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def _machine() -> dict:
+  import haiku  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+  import immgrad  # pylint: disable=g-import-not-at-top
+  return {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+          "platform": platform.platform(), "cpu_count": os.cpu_count(),
+          "python": platform.python_version(),
+          "devices": [str(d) for d in jax.devices()],
+          "jax": jax.__version__, "optax": optax.__version__,
+          "haiku": haiku.__version__, "immgrad": immgrad.__version__}
+
+
+if __name__ == "__main__":
+  sys.exit(main())

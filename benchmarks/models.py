@@ -1,0 +1,178 @@
+"""The benchmarked models, each trained by every method.
+
+Methods (all with ``optax.adam(1e-3)``, jitted, params and state donated):
+
+* ``plain``: ``jax.value_and_grad`` + optax;
+* ``current`` / ``updated``: ``immgrad.value_and_grad`` with
+  ``immgrad.shim(adam)`` (atomic, the default);
+* ``updated (atomic=False)``: the same without the all-or-nothing check,
+  whose cost is the old weights and state kept alive until the step is
+  known to be finite;
+* ``naive`` (depth sweep only): what a user would write without immgrad to
+  get "updated" gradients: the sequential re-linearization with one vjp
+  chain per layer. For layer l it backpropagates from the loss through the
+  already-updated layers above l (their vjps at the new weights, on the
+  stored activations), takes dW_l, and steps layer l; nothing is reused
+  between layers, so the work grows with the square of the depth.
+"""
+
+from typing import Callable
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import immgrad
+import immgrad.haiku
+from benchmarks.measure import Candidate
+
+METHODS = ("plain", "current", "updated", "updated (atomic=False)")
+
+
+def _fresh(tree):
+  """New device buffers for one candidate (each donates its own)."""
+  return jax.device_put(jax.tree.map(np.asarray, tree))
+
+
+def candidates_for(loss_fn: Callable, params, batch,
+                   methods=METHODS) -> list[Candidate]:
+  """The training step of each method for ``loss_fn(params, *batch)``."""
+  out = []
+  for method in methods:
+    opt = optax.adam(1e-3)
+    if method == "plain":
+      tx = opt
+
+      def step(params, opt_state, *batch, tx=tx):
+        loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+    else:
+      mode = method.split()[0]
+      tx = immgrad.shim(opt, atomic="atomic=False" not in method)
+      grad_fn = immgrad.value_and_grad(loss_fn, tx, mode=mode)
+
+      def step(params, opt_state, *batch, tx=tx, grad_fn=grad_fn):
+        loss, grads = grad_fn(params, opt_state, *batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+    p = _fresh(params)
+    out.append(Candidate(method, step, p, _fresh(tx.init(p)), batch))
+  return out
+
+
+# -- MLP: affine layers, ReLU outside --------------------------------------
+
+def _dense(x, p):
+  return x @ p["w"] + p["b"]
+
+
+dense = immgrad.immediate_layer(_dense)
+
+
+def mlp(depth: int, width: int, batch: int, *, naive: bool = False):
+  """``depth`` affine layers of ``width``, ReLU between, MSE to a target."""
+  keys = jax.random.split(jax.random.PRNGKey(0), depth + 2)
+  params = {f"layer{i}": {
+      "w": jax.random.normal(keys[i], (width, width)) / np.sqrt(width),
+      "b": jnp.zeros(width)} for i in range(depth)}
+  x = jax.random.normal(keys[-2], (batch, width))
+  y = jax.random.normal(keys[-1], (batch, width))
+
+  def loss_fn(params, x, y):
+    h = x
+    for i in range(depth):
+      h = dense(h, params[f"layer{i}"])
+      if i < depth - 1:
+        h = jax.nn.relu(h)
+    return jnp.mean((h - y) ** 2)
+
+  methods = METHODS + (("naive",) if naive else ())
+  out = candidates_for(loss_fn, params, (x, y),
+                       [m for m in methods if m != "naive"])
+  if naive:
+    opt = optax.adam(1e-3)
+    p = _fresh(params)
+    out.append(Candidate("naive", _naive_step(depth, opt), p,
+                         _fresh({k: opt.init(v) for k, v in p.items()}),
+                         (x, y)))
+  return out
+
+
+def _naive_step(depth: int, opt):
+  """Sequential re-linearization, one vjp chain per layer (no immgrad)."""
+
+  def step(params, states, x, y):
+    names = [f"layer{i}" for i in range(depth)]
+    inputs, pre = [], []
+    h = x
+    for i, name in enumerate(names):
+      inputs.append(h)
+      pre.append(_dense(h, params[name]))
+      h = jax.nn.relu(pre[-1]) if i < depth - 1 else pre[-1]
+    loss, loss_vjp = jax.vjp(lambda out: jnp.mean((out - y) ** 2), h)
+    (top,) = loss_vjp(jnp.ones_like(loss))
+    new, new_states = dict(params), dict(states)
+    for l in reversed(range(depth)):
+      d = top  # Down from the loss through the updated layers above l.
+      for k in range(depth - 1, l, -1):
+        if k < depth - 1:
+          d = jnp.where(pre[k] > 0, d, 0.0)
+        (d,) = jax.vjp(lambda x, k=k: _dense(x, new[names[k]]),
+                       inputs[k])[1](d)
+      if l < depth - 1:
+        d = jnp.where(pre[l] > 0, d, 0.0)
+      (dw,) = jax.vjp(lambda w, l=l: _dense(inputs[l], w),
+                      params[names[l]])[1](d)
+      updates, new_states[names[l]] = opt.update(dw, states[names[l]],
+                                                 params[names[l]])
+      new[names[l]] = optax.apply_updates(params[names[l]], updates)
+    return new, new_states, loss
+
+  return step
+
+
+# -- Transformer LM, built with immgrad.haiku ------------------------------
+
+def _block(h, mask, heads, mlp_size):
+  d_model = h.shape[-1]
+  a = hk.LayerNorm(-1, True, True)(h)
+  a = hk.MultiHeadAttention(heads, d_model // heads,
+                            w_init=hk.initializers.VarianceScaling(1.0))(
+                                a, a, a, mask)
+  h = h + a
+  m = hk.LayerNorm(-1, True, True)(h)
+  return h + hk.Linear(d_model)(jax.nn.gelu(hk.Linear(mlp_size)(m)))
+
+
+def transformer(*, blocks=4, d_model=256, heads=4, mlp_size=1024, seq=128,
+                batch=16, vocab=256, stacked=False):
+  """A decoder-only LM; ``stacked`` puts the blocks under hk.layer_stack."""
+
+  def forward(tokens):
+    mask = jnp.tril(jnp.ones((seq, seq), bool))[None, None]
+    h = hk.Embed(vocab, d_model)(tokens)
+    h = h + hk.get_parameter("positions", (seq, d_model),
+                             init=hk.initializers.RandomNormal(0.02))
+    block = lambda h: _block(h, mask, heads, mlp_size)
+    if stacked:
+      h = hk.layer_stack(blocks)(block)(h)
+    else:
+      for _ in range(blocks):
+        h = block(h)
+    return hk.Linear(vocab)(hk.LayerNorm(-1, True, True)(h))
+
+  model = hk.without_apply_rng(hk.transform(immgrad.haiku.immediate(forward)))
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (batch, seq + 1), 0,
+                              vocab)
+  inputs, targets = tokens[:, :-1], tokens[:, 1:]
+  params = model.init(jax.random.PRNGKey(0), inputs)
+
+  def loss_fn(params, inputs, targets):
+    logits = model.apply(params, inputs)
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits, targets).mean()
+
+  return candidates_for(loss_fn, params, (inputs, targets))

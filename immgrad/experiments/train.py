@@ -1,0 +1,155 @@
+"""Trains one task three ways, in lockstep, data parallel over a mesh.
+
+The three methods start from the same parameters and see the same batches
+in the same order:
+
+* ``plain``: ``jax.value_and_grad`` + optax, gradients averaged with
+  ``lax.pmean`` over the data axis;
+* ``current``: ``immgrad.value_and_grad(mode="current")`` with
+  ``axis_name``, so each layer's gradient is averaged in its backward rule
+  (must track ``plain`` to float rounding);
+* ``updated``: the same with ``mode="updated"``.
+
+Each step runs under ``jax.shard_map`` over all devices (the batch split
+along the data axis, parameters replicated) and is jitted with parameters
+and optimizer state donated. The methods take turns step by step, in an
+order that rotates every step, so drift in the machine's speed (another
+process, thermal throttling) falls on all of them alike. A step's time is
+the wall time from dispatch until its loss is on the host; compilation is
+done, and timed, before the first step. The shim runs with
+``atomic=False``: a non-finite step is applied, as plain optax would, and
+counted as a divergence.
+"""
+
+import dataclasses
+import math
+import time
+from typing import Any, Optional
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import immgrad
+
+METHODS = ("plain", "current", "updated")
+AXIS = "data"
+
+
+def optimizer(name: str, lr: float) -> optax.GradientTransformation:
+  if name == "sgd":
+    return optax.sgd(lr)
+  if name == "momentum":
+    return optax.sgd(lr, momentum=0.9)
+  if name == "adam":
+    return optax.adam(lr)
+  if name == "adamw":
+    return optax.adamw(lr, weight_decay=1e-4)
+  raise ValueError(f"unknown optimizer {name!r}: choose sgd, momentum, adam "
+                   "or adamw.")
+
+
+@dataclasses.dataclass
+class Run:
+  """One method's record of one training run."""
+  method: str
+  losses: list = dataclasses.field(default_factory=list)  # Per step.
+  seconds: list = dataclasses.field(default_factory=list)  # Per step.
+  evals: list = dataclasses.field(default_factory=list)  # {"step", ...}.
+  diverged_at: Optional[int] = None  # First step with a non-finite loss.
+  compile_seconds: float = 0.0
+  final_params: Any = None  # On the host, after the last step.
+
+
+def _step_fn(method, task, opt, mesh):
+  """The jitted, sharded training step of ``method``, and its optimizer."""
+  if method == "plain":
+    tx = opt
+
+    def step(params, opt_state, inputs, targets):
+      loss, grads = jax.value_and_grad(task.loss_fn)(params, inputs, targets)
+      grads = jax.lax.pmean(grads, AXIS)
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return (optax.apply_updates(params, updates), opt_state,
+              jax.lax.pmean(loss, AXIS))
+  else:
+    tx = immgrad.shim(opt, atomic=False)
+    grad_fn = immgrad.value_and_grad(task.loss_fn, tx, mode=method,
+                                     axis_name=AXIS)
+
+    def step(params, opt_state, inputs, targets):
+      loss, grads = grad_fn(params, opt_state, inputs, targets)
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return (optax.apply_updates(params, updates), opt_state,
+              jax.lax.pmean(loss, AXIS))
+
+  sharded = jax.shard_map(step, mesh=mesh,
+                          in_specs=(P(), P(), P(AXIS), P(AXIS)),
+                          out_specs=(P(), P(), P()), check_vma=False)
+  return tx, jax.jit(sharded, donate_argnums=(0, 1))
+
+
+def train(task, *, optimizer_name: str, lr: float, steps: int,
+          batch_size: int, seed: int, eval_every: int,
+          progress=None) -> dict[str, Run]:
+  """Trains ``task`` with every method; returns their records."""
+  devices = jax.devices()
+  if batch_size % len(devices):
+    raise ValueError(f"--batch-size {batch_size} must be a multiple of the "
+                     f"number of devices ({len(devices)}).")
+  mesh = jax.make_mesh((len(devices),), (AXIS,))
+  replicated = NamedSharding(mesh, P())
+  split = NamedSharding(mesh, P(AXIS))
+  init = jax.device_get(task.init(seed))  # Fresh buffers per method.
+  batches = task.batches(seed, batch_size)
+  first = next(task.batches(seed, batch_size))
+  runs, state, compiled = {}, {}, {}
+  for method in METHODS:
+    tx, step = _step_fn(method, task, optimizer(optimizer_name, lr), mesh)
+    params = jax.device_put(init, replicated)
+    opt_state = jax.device_put(tx.init(init), replicated)
+    start = time.perf_counter()
+    compiled[method] = step.lower(params, opt_state,
+                                  *jax.device_put(first, split)).compile()
+    runs[method] = Run(method,
+                       compile_seconds=time.perf_counter() - start)
+    state[method] = (params, opt_state)
+
+  def evaluate(step_number):
+    for method, run in runs.items():
+      if run.diverged_at is None:
+        run.evals.append({"step": step_number,
+                          **task.evaluate(state[method][0])})
+
+  evaluate(0)
+  for i in range(steps):
+    batch = jax.device_put(next(batches), split)
+    order = METHODS[i % 3:] + METHODS[:i % 3]
+    for method in order:
+      run = runs[method]
+      if run.diverged_at is not None:
+        continue
+      start = time.perf_counter()
+      params, opt_state, loss = compiled[method](*state[method], *batch)
+      loss = float(loss) * task.loss_scale
+      run.seconds.append(time.perf_counter() - start)
+      run.losses.append(loss)
+      state[method] = (params, opt_state)
+      if not math.isfinite(loss):
+        run.diverged_at = i + 1
+    if (i + 1) % eval_every == 0 or i + 1 == steps:
+      evaluate(i + 1)
+    if progress is not None:
+      progress.update(1)
+      progress.set_postfix({m: f"{r.losses[-1]:.3f}" if r.losses else "-"
+                            for m, r in runs.items()})
+  for method in METHODS:
+    runs[method].final_params = jax.device_get(state[method][0])
+  return runs
+
+
+def max_param_difference(a: Any, b: Any) -> float:
+  return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
