@@ -63,6 +63,8 @@ def main(argv=None) -> int:
       models.transformer(**t))
   run(f"Transformer LM, blocks under hk.layer_stack (batch {t['batch']})",
       models.transformer(stacked=True, **t))
+  run("MLP 16x1024 under immgrad.scan, batch 64",
+      models.scanned_mlp(16, 1024, 64))
   for depth in s["depths"]:
     print(f"measuring depth {depth} ...", file=sys.stderr, flush=True)
     figures = measure.measure(

@@ -101,6 +101,25 @@ def mlp(depth: int, width: int, batch: int, *, naive: bool = False):
   return out
 
 
+def scanned_mlp(depth: int, width: int, batch: int):
+  """The MLP's layers stacked and run under ``immgrad.scan`` (plain: the
+  same loss, where ``immgrad.scan`` is ``jax.lax.scan``)."""
+  k1, k2, k3 = jax.random.split(jax.random.PRNGKey(0), 3)
+  params = {"blocks": {
+      "w": jax.random.normal(k1, (depth, width, width)) / np.sqrt(width),
+      "b": jnp.zeros((depth, width))}}
+  x = jax.random.normal(k2, (batch, width))
+  y = jax.random.normal(k3, (batch, width))
+
+  def loss_fn(params, x, y):
+    def block(h, p):
+      return jax.nn.relu(dense(h, p)), None
+    h, _ = immgrad.scan(block, x, params["blocks"])
+    return jnp.mean((h - y) ** 2)
+
+  return candidates_for(loss_fn, params, (x, y))
+
+
 def _naive_step(depth: int, opt):
   """Sequential re-linearization, one vjp chain per layer (no immgrad)."""
 
