@@ -137,7 +137,7 @@ def main(argv=None):
       f"(must be <= {report.SANITY_RTOL:g}); {whole:.2g} over the whole run.")
   sweep = None
   if args.lr_sweep:
-    sweep = _sweep(aggregates, records)
+    sweep = _sweep(aggregates)
     text += ["", _sweep_table(sweep, aggregates)]
   text += ["", report.__doc__.split("\n\n", 1)[1].strip()]
   print("\n".join(text))
@@ -161,7 +161,7 @@ def _progress(args, total, desc):
   return tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True)
 
 
-def _sweep(aggregates, records):
+def _sweep(aggregates):
   """Per method: the best learning rate, and the lowest that diverges."""
   out = {}
   for method in train_lib.METHODS:
@@ -177,7 +177,6 @@ def _sweep(aggregates, records):
         "best_final_smoothed_train_loss": min(finals.values())
                                           if finals else None,
         "lowest_diverging_lr": min(diverging) if diverging else None}
-  del records
   return out
 
 

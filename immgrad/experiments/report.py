@@ -20,11 +20,16 @@ Definitions, printed under every table:
 
 import json
 import math
+import os
 import platform
 from typing import Any, Optional
 
+import haiku
+import jax
 import numpy as np
+import optax
 
+import immgrad
 from immgrad.experiments import train as train_lib
 
 SANITY_STEPS, SANITY_RTOL = 20, 1e-4
@@ -159,11 +164,6 @@ def table(aggregates: dict, unit: str) -> str:
 
 
 def machine() -> dict:
-  import jax  # pylint: disable=g-import-not-at-top
-  import optax  # pylint: disable=g-import-not-at-top
-  import haiku  # pylint: disable=g-import-not-at-top
-  import immgrad  # pylint: disable=g-import-not-at-top
-  import os  # pylint: disable=g-import-not-at-top
   return {"platform": platform.platform(), "processor": platform.processor(),
           "cpu_count": os.cpu_count(), "python": platform.python_version(),
           "devices": [str(d) for d in jax.devices()],
