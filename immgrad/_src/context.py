@@ -132,6 +132,15 @@ class Step:
       step = step.parent
     return None
 
+  def find_all(self, leaves: list, user: str) -> list[tuple[int, Slot]]:
+    """``(position, slot)`` of each of ``leaves`` that is a view, in order."""
+    found = [(i, self.find(leaf, user)) for i, leaf in enumerate(leaves)]
+    return [(i, slot) for i, slot in found if slot is not None]
+
+  def nested(self) -> "Step":
+    """A step for the body of a transformation traced inside this one."""
+    return Step(self.tx, self.mode, self.axis_name, parent=self)
+
   def claim(self, layer: str, params: Any) -> list[Slot]:
     """Returns the slots of ``params``'s leaves, now owned by ``layer``."""
     found = []

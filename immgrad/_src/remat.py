@@ -61,15 +61,13 @@ def checkpoint(fun: Callable, *, prevent_cse=True, policy=None,
     if step is None:
       return plain()
     leaves = jax.tree.leaves((args, call_kwargs))
-    found = [(i, step.find(leaf, "immgrad.checkpoint"))
-             for i, leaf in enumerate(leaves)]
-    found = [(i, slot) for i, slot in found if slot is not None]
+    found = step.find_all(leaves, "immgrad.checkpoint")
     if not found:
       return plain()
     origin = object()
 
     def inner(channels, *args, **call_kwargs):
-      nested = context.Step(step.tx, step.mode, step.axis_name, parent=step)
+      nested = step.nested()
       views = jax.tree.leaves((args, call_kwargs))
       for (i, slot), (weight, state) in zip(found, channels):
         nested.add(context.Slot(

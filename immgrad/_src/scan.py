@@ -74,9 +74,7 @@ def scan(f: Callable, init: Any, xs: Any = None, length=None,
   if step is None:
     return plain()
   leaves, _ = jax.tree.flatten(xs)
-  stacked = [(i, step.find(leaf, "immgrad.scan")) for i, leaf in
-             enumerate(leaves)]
-  stacked = [(i, slot) for i, slot in stacked if slot is not None]
+  stacked = step.find_all(leaves, "immgrad.scan")
   if not stacked:
     return plain()
 
@@ -89,7 +87,7 @@ def scan(f: Callable, init: Any, xs: Any = None, length=None,
 
   def body(carry, scanned):
     x, scanned_channels = scanned
-    inner = context.Step(step.tx, step.mode, step.axis_name, parent=step)
+    inner = step.nested()
     views = jax.tree.leaves(x)
     for (i, slot), (weight, split), like in zip(stacked, scanned_channels,
                                                 per_layer):
