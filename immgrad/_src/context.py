@@ -18,9 +18,10 @@ See ``docs/design.md`` for the reasoning and what stacked layers need.
 
 import dataclasses
 import threading
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import jax
+import jax.numpy as jnp
 from jax.extend.core import get_opaque_trace_state
 
 
@@ -91,6 +92,10 @@ class Slot:
       slot.layer, slot._claims = layer, (child.origin, layer)
       child, slot = slot, slot.parent
 
+  def mark_ordinary(self) -> None:
+    """Records that an ordinary use sent back a nonzero cotangent."""
+    self.ordinary = True
+
   def mark_stepped(self) -> None:
     """Records that the claiming layer's backward rule produced new values."""
     slot = self
@@ -156,6 +161,32 @@ class Step:
     for slot in found:
       slot.claim(layer)
     return found
+
+
+def watched(leaf: jax.Array, on_use: Callable[[], None]) -> jax.Array:
+  """``leaf``, through an identity that reports ordinary uses.
+
+  Its backward rule calls ``on_use()`` (at trace time) when a cotangent
+  that is not a symbolic zero comes back, that is when something other
+  than an immediate layer used the value: an immediate layer reads the
+  hidden channels, never the value itself.
+  """
+
+  @jax.custom_vjp
+  def sentinel(x):
+    return x
+
+  def fwd(x):
+    return x.value, None
+
+  def bwd(_, ct):
+    if isinstance(ct, jax.custom_derivatives.SymbolicZero):
+      return (jnp.zeros(ct.shape, ct.dtype),)
+    on_use()
+    return (ct,)
+
+  sentinel.defvjp(fwd, bwd, symbolic_zeros=True)
+  return sentinel(leaf)
 
 
 _active = threading.local()

@@ -3,9 +3,9 @@
 The loss is differentiated with ``jax.vjp`` with respect to three copies of
 the parameter leaves:
 
-* the *views* the loss sees, each the output of a ``sentinel`` (an identity
-  ``custom_vjp`` with symbolic zeros) so that, at trace time, we learn
-  whether anything other than an immediate layer used the leaf;
+* the *views* the loss sees, each the output of ``context.watched`` (an
+  identity ``custom_vjp`` with symbolic zeros) so that, at trace time, we
+  learn whether anything other than an immediate layer used the leaf;
 * the hidden *weight* channel an immediate layer differentiates instead of
   the view; its cotangent is the layer's new weight;
 * the hidden *state* channel, the leaf's optimizer state, whose cotangent
@@ -111,10 +111,12 @@ def value_and_grad(fun: Callable[..., Any], tx: optax.GradientTransformation,
     run = context.Step(tx.inner, mode, axis_name)
 
     def loss(views, weights, carried):
-      views = [_sentinel(run, i, v) for i, v in enumerate(views)]
       for i, view in enumerate(views):
-        run.add(context.Slot(path=paths[i], view=view, weight=weights[i],
-                             state=carried[i], state_like=states[i]))
+        slot = context.Slot(path=paths[i], view=None, weight=weights[i],
+                            state=carried[i], state_like=states[i])
+        slot.view = context.watched(view, slot.mark_ordinary)
+        run.add(slot)
+      views = [slot.view for slot in run.slots]
       with context.opened(run):
         out = fun(treedef.unflatten(views), *args)
       _check_loss(fun, out, has_aux)
@@ -141,26 +143,6 @@ def value_and_grad(fun: Callable[..., Any], tx: optax.GradientTransformation,
     return value, grads
 
   return step
-
-
-def _sentinel(run: context.Step, index: int, leaf: jax.Array) -> jax.Array:
-  """Identity whose backward rule records a nonzero cotangent at trace time."""
-
-  @jax.custom_vjp
-  def sentinel(x):
-    return x
-
-  def fwd(x):
-    return x.value, None
-
-  def bwd(_, ct):
-    if isinstance(ct, jax.custom_derivatives.SymbolicZero):
-      return (jnp.zeros(ct.shape, ct.dtype),)
-    run.slots[index].ordinary = True
-    return (ct,)
-
-  sentinel.defvjp(fwd, bwd, symbolic_zeros=True)
-  return sentinel(leaf)
 
 
 def _check_loss(fun, out, has_aux):
