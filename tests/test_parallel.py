@@ -4,8 +4,9 @@ Each transform runs 3 steps of the per-device loss (mean over the local
 quarter of the batch) and is compared with an independent single-device
 reference on the whole batch: plain training for mode="current" (on the
 model with ordinary parameters too, so their averaging is checked), and the
-sequential re-linearization for mode="updated" (with adam, and with
-momentum, under which the experiments see "updated" diverge). Tolerance as in
+sequential re-linearization for mode="updated" (with adam, with
+momentum, under which the experiments see "updated" diverge, and with the
+hidden layers stacked under immgrad.scan). Tolerance as in
 test_current.py (atol=1e-6, rtol=1e-5), which also covers the different
 summation order of a mean over 4 devices (one ulp per step). Replicas must
 hold bitwise identical weights after every step.
@@ -37,7 +38,32 @@ UPDATED_OPTIMIZERS = {"adam": lambda: optax.adam(1e-2),
                       "momentum": lambda: optax.sgd(0.1, momentum=0.9)}
 
 
+def _scanned_problem():
+  """mode="updated", adam: the 3 hidden layers stacked under immgrad.scan
+  (its own backward loop), against the sequential reference unrolled."""
+  opt = optax.adam(1e-2)
+  chain, params = oracles.mlp([6, 16, 16, 16, 16, 3], jax.random.PRNGKey(0))
+  data = oracles.batches(jax.random.PRNGKey(1), 3, (16, 6), (16, 3))
+  expected, _ = oracles.sequential_steps(chain, opt, params, data)
+  dense = immgrad.immediate_layer(oracles.dense)
+
+  def pack(p):
+    hidden = [p[f"layer{i}"] for i in (1, 2, 3)]
+    return {"in": p["layer0"], "out": p["layer4"],
+            "blocks": jax.tree.map(lambda *a: jnp.stack(a), *hidden)}
+
+  def loss_fn(params, x, y):
+    h = jax.nn.relu(dense(x, params["in"]))
+    h, _ = immgrad.scan(lambda h, p: (jax.nn.relu(dense(h, p)), None), h,
+                        params["blocks"])
+    return oracles.mse(dense(h, params["out"]), y)
+
+  return loss_fn, opt, pack(params), data, [pack(e) for e in expected]
+
+
 def _problem(mode, updated_opt="adam"):
+  if updated_opt == "scanned":
+    return _scanned_problem()
   if mode == "current":
     # Not adam: adam is nearly blind to a gradient scaled 4x.
     opt = optax.sgd(0.05, momentum=0.9)
@@ -72,7 +98,8 @@ def _replicas_equal(stacked):
 @pytest.mark.parametrize("transform", TRANSFORMS)
 @pytest.mark.parametrize("mode,updated_opt", [("current", None),
                                               ("updated", "adam"),
-                                              ("updated", "momentum")])
+                                              ("updated", "momentum"),
+                                              ("updated", "scanned")])
 def test_data_parallel_equals_single_device(mode, updated_opt, transform):
   assert jax.device_count() >= DEVICES, "conftest.py sets 4 CPU devices"
   loss_fn, opt, params, data, expected = _problem(mode, updated_opt)

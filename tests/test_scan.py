@@ -221,3 +221,93 @@ def test_scan_inside_checkpoint():
   oracles.assert_runs_close(got, _expected("updated", opt, chain, unrolled,
                                            data), atol=ATOL, rtol=RTOL)
   assert np.all(np.isfinite(got[1]))
+
+
+def _busy_loss(params, x, y):
+  """A scan body with every kind of input and output besides the layers.
+
+  Besides the immediate layer on ``blocks``: a stacked parameter used
+  ordinarily (``gain``), a closed-over parameter used ordinarily by every
+  layer (``shift``), scanned data (``noise``), an integer in the carry, and
+  per-layer outputs (``ys``) that the loss uses.
+  """
+  noise = 0.1 * jnp.stack([jnp.sin(x[0] * i) for i in range(LAYERS)])
+
+  def block(carry, inputs):
+    h, count = carry
+    p, gain, n = inputs
+    h = jnp.tanh(dense(h, p) * gain + params["shift"] + n)
+    return (h, count + 1), jnp.sum(h ** 2)
+
+  (h, count), ys = immgrad.scan(
+      block, (x, jnp.int32(0)), (params["blocks"], params["gain"], noise),
+      unroll=2)
+  del count
+  return oracles.mse(dense(h, params["head"]), y) + 1e-2 * jnp.mean(ys)
+
+
+def _busy_params():
+  _, unrolled = _params()
+  params = _stacked(unrolled)
+  params["gain"] = 1.0 + 0.1 * jax.random.normal(jax.random.PRNGKey(2),
+                                                  (LAYERS, WIDTH))
+  params["shift"] = jnp.full((WIDTH,), 0.05)
+  return params
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adam"])
+def test_scan_body_with_ordinary_inputs_equals_plain(opt_name):
+  """mode="current": the scan's own backward loop gives every input JAX's
+  gradient (stacked, summed over layers, or carried) and steps the layers.
+  The reference is the same loss under plain jax.value_and_grad, where
+  immgrad.scan is lax.scan and the layer its undecorated function."""
+  opt = OPTIMIZERS[opt_name]()
+  params, data = _busy_params(), _data()
+  expected = oracles.plain_steps(_busy_loss, opt, params, data)
+  got = oracles.immediate_steps(_busy_loss, opt, params, data,
+                                mode="current")
+  oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
+
+
+def test_stacked_parameter_used_by_a_layer_and_ordinarily_is_an_error():
+  def loss_fn(params, x, y):
+    def block(h, p):
+      return jnp.tanh(dense(h, p)) + jnp.sum(p["b"]), None
+    h, _ = immgrad.scan(block, x, params["blocks"])
+    return oracles.mse(dense(h, params["head"]), y)
+
+  _, unrolled = _params()
+  params = _stacked(unrolled)
+  tx = immgrad.shim(optax.sgd(0.1))
+  with pytest.raises(ValueError, match=r"\['blocks'\]\['b'\] is used by "
+                     "immediate layer .* and also by an ordinary operation"):
+    immgrad.value_and_grad(loss_fn, tx)(params, tx.init(params), *_data()[0])
+
+
+@pytest.mark.parametrize("mode", ["current", "updated"])
+def test_nested_scans_equal_unrolled(mode):
+  """Blocks of blocks: an outer scan over 2 groups, an inner over 2 layers,
+  parameters stacked (2, 2, ...); equal to the 4 layers unrolled."""
+  chain, unrolled = _params()
+  data, opt = _data(), optax.adam(1e-2)
+
+  def nest(params):
+    return dict(params, blocks=jax.tree.map(
+        lambda a: a.reshape((2, 2) + a.shape[1:]), params["blocks"]))
+
+  def loss_fn(params, x, y):
+    def layer(h, p):
+      return jnp.tanh(dense(h, p)), None
+
+    def group(h, ps):
+      return immgrad.scan(layer, h, ps)[0], None
+
+    h, _ = immgrad.scan(group, x, params["blocks"])
+    return oracles.mse(dense(h, params["head"]), y)
+
+  history, losses = oracles.immediate_steps(
+      loss_fn, opt, nest(_stacked(unrolled)), data, mode=mode)
+  expected, expected_losses = _expected(mode, opt, chain, unrolled, data)
+  oracles.assert_runs_close(
+      (history, losses), ([nest(p) for p in expected], expected_losses),
+      atol=ATOL, rtol=RTOL)

@@ -25,8 +25,10 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from immgrad._src import context
+from immgrad._src import scan_vjp
 
 _UNSPLITTABLE = (
     "immgrad.scan: the optimizer state of stacked parameter {path} has a "
@@ -73,7 +75,7 @@ def scan(f: Callable, init: Any, xs: Any = None, length=None,
   step = context.current()
   if step is None:
     return plain()
-  leaves, _ = jax.tree.flatten(xs)
+  leaves, treedef = jax.tree.flatten(xs)
   stacked = step.find_all(leaves, "immgrad.scan")
   if not stacked:
     return plain()
@@ -82,25 +84,54 @@ def scan(f: Callable, init: Any, xs: Any = None, length=None,
   channels, per_layer = [], []
   for i, slot in stacked:
     split, like = _split_state(step.tx, leaves[i], slot)
-    channels.append((slot.weight, split))
+    channels.append([slot.weight] + split)
     per_layer.append(like)
+  # The loop scans the leaves of xs, then each stacked parameter's channels.
+  starts = np.cumsum([len(leaves)] + [len(c) for c in channels]).tolist()
+  inner_slots = []  # One per stacked parameter, made when the body is traced.
 
   def body(carry, scanned):
-    x, scanned_channels = scanned
+    x = scanned[:len(leaves)]
     inner = step.nested()
-    views = jax.tree.leaves(x)
-    for (i, slot), (weight, split), like in zip(stacked, scanned_channels,
-                                                per_layer):
-      inner.add(context.Slot(
-          path=f"{slot.path} (one layer of immgrad.scan)", view=views[i],
+    inner_slots.clear()
+    for (i, slot), start, like in zip(stacked, starts, per_layer):
+      weight, *split = scanned[start:start + 1 + len(jax.tree.leaves(like))]
+      inner_slot = context.Slot(
+          path=f"{slot.path} (one layer of immgrad.scan)", view=None,
           weight=weight, state=_join_state(split, like), state_like=like,
-          parent=slot, origin=origin))
+          parent=slot, origin=origin)
+      inner_slot.view = context.watched(x[i], inner_slot.mark_ordinary)
+      x[i] = inner_slot.view
+      inner.add(inner_slot)
+      inner_slots.append(inner_slot)
     with context.opened(inner):
-      return f(carry, x)
+      return f(carry, treedef.unflatten(x))
 
-  return jax.lax.scan(body, init, (xs, channels), length=length,
-                      reverse=reverse, unroll=unroll,
-                      _split_transpose=_split_transpose)
+  def written():
+    """Where the new values of claimed stacked parameters are written.
+
+    The new state goes into the old state's own buffer: nothing reads the
+    old state after the step. The new weights go into a fresh buffer (the
+    size of plain training's gradient stack): the shim still reads the
+    old weights, to turn the new ones into optax updates.
+    """
+    claimed = [(start, c) for s, start, c in zip(inner_slots, starts,
+                                                 channels)
+               if s.layer is not None]
+    state = [j for start, c in claimed for j in range(start + 1,
+                                                      start + len(c))]
+    return state, [start for start, _ in claimed]
+
+  views = {i: n for n, (i, _) in enumerate(stacked)}
+
+  def needs_cotangent(j):
+    if j in views:  # A stacked parameter used by something but a layer.
+      return inner_slots[views[j]].ordinary
+    return j < len(leaves)  # A channel no layer claimed carries nothing.
+
+  return scan_vjp.scan(body, init, leaves + sum(channels, []), length=length,
+                       reverse=reverse, unroll=unroll, written=written,
+                       needs_cotangent=needs_cotangent)
 
 
 def _split_state(tx, leaf, slot):
