@@ -8,8 +8,10 @@ by the body would be stepped once per iteration and the new weights summed
 of ``xs`` that is a parameter of the current step, it scans the leaf's
 hidden weight and optimizer-state channels along with it, and inside the
 body registers the slices as that step's parameters. Each iteration's layer
-then steps its own slice exactly once, and JAX stacks the new slices back
-into the new stacked weights and state.
+then steps its own slice exactly once, and the scan's own backward loop
+(``scan_vjp.py``) writes the new slices into the new stacked weights (a
+fresh buffer, as plain training's gradients would be) and into the stacked
+state's own buffer, in place.
 
 Optimizer state is sliced the way the weights are: a state leaf of shape
 ``(n, *s)`` whose per-layer counterpart (what ``tx.init`` makes for one
