@@ -311,3 +311,27 @@ def test_nested_scans_equal_unrolled(mode):
   oracles.assert_runs_close(
       (history, losses), ([nest(p) for p in expected], expected_losses),
       atol=ATOL, rtol=RTOL)
+
+
+def test_checkpoint_inside_scan_updates_once():
+  """Remat inside a scanned block (hk.remat in hk.layer_stack): equal to
+  plain training, and each layer's update runs once per step, not again
+  when the block is recomputed."""
+  chain, unrolled = _params()
+  data, calls = _data(), []
+  block = immgrad.checkpoint(lambda h, p: jnp.tanh(dense(h, p)))
+
+  def loss_fn(params, x, y):
+    h, _ = immgrad.scan(lambda h, p: (block(h, p), None), x,
+                        params["blocks"])
+    return oracles.mse(dense(h, params["head"]), y)
+
+  got = oracles.immediate_steps(loss_fn, _counting(optax.adam(1e-2), calls),
+                                _stacked(unrolled), data, mode="current")
+  jax.effects_barrier()
+  # One call per parameter leaf (w and b of each layer, and the head) and
+  # step; the stacked leaves call it once per layer.
+  assert len(calls) == STEPS * len(jax.tree.leaves(unrolled))
+  oracles.assert_runs_close(got, _expected("current", optax.adam(1e-2),
+                                           chain, unrolled, data),
+                            atol=ATOL, rtol=RTOL)
