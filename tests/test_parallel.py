@@ -146,3 +146,31 @@ def test_data_parallel_equals_single_device(mode, updated_opt, transform):
     params, state, copies = step(params, state, *put(batch, P("d")))
     _replicas_equal(copies)
     chex.assert_trees_all_close(params, expected[i], atol=ATOL, rtol=RTOL)
+
+
+def test_fsdp_sharded_stack_keeps_its_sharding():
+  """Stacked weights sharded over the mesh (FSDP style) under immgrad.scan,
+  jit over the mesh: the new weights and adam moments keep the weights'
+  sharding, and equal the single-device sequential reference."""
+  loss_fn, opt, params, data, expected = _scanned_problem()
+  mesh = jax.make_mesh((DEVICES,), ("d",),
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  fsdp = {"w": P(None, "d", None), "b": P(None, "d")}
+  specs = {"in": {"w": P(), "b": P()}, "out": {"w": P(), "b": P()},
+           "blocks": fsdp}
+  params = jax.tree.map(
+      lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), params, specs)
+  tx = immgrad.shim(opt)
+  state = tx.init(params)
+  step = jax.jit(_step(loss_fn, tx, "updated", None))
+  for i, (x, y) in enumerate(data):
+    params, state = step(params, state,
+                         jax.device_put(x, NamedSharding(mesh, P("d"))), y)
+    chex.assert_trees_all_close(params, expected[i], atol=ATOL, rtol=RTOL)
+  for name, spec in fsdp.items():
+    same = lambda a, spec=spec: a.sharding.is_equivalent_to(
+        NamedSharding(mesh, spec), a.ndim)
+    assert same(params["blocks"][name]), params["blocks"][name].sharding
+    moments = [leaf for leaf in jax.tree.leaves(state.inner["blocks"][name])
+               if leaf.ndim == len(spec)]
+    assert moments and all(same(m) for m in moments), moments
