@@ -335,3 +335,24 @@ def test_checkpoint_inside_scan_updates_once():
   oracles.assert_runs_close(got, _expected("current", optax.adam(1e-2),
                                            chain, unrolled, data),
                             atol=ATOL, rtol=RTOL)
+
+
+def test_in_place_write_ordering_leaves_values_bit_for_bit():
+  """The backward loop orders each in-place state write after the layer's
+  new weights through an integer 0 computed from them (scan_vjp.py). That
+  must change no bit, whatever the state and the weights hold: -0.0,
+  subnormals (which float arithmetic on CPU would flush to zero), inf,
+  NaN; and a NaN or inf among the weights must not leak into the state."""
+  from immgrad._src import scan_vjp  # pylint: disable=import-outside-toplevel
+  state = jnp.array([-0.0, 0.0, 1e-45, -3.5, jnp.inf, jnp.nan, 7e37],
+                    jnp.float32)
+
+  @jax.jit
+  def written(state, weights):
+    zero = scan_vjp._zero_after([weights])  # pylint: disable=protected-access
+    return scan_vjp._after(state, zero)  # pylint: disable=protected-access
+
+  for first in (jnp.nan, jnp.inf, -jnp.inf, -0.0, 2.5):
+    out = written(state, jnp.array([first, 1.0], jnp.float32))
+    np.testing.assert_array_equal(np.asarray(out).view(np.uint32),
+                                  np.asarray(state).view(np.uint32))

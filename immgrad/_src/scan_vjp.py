@@ -126,11 +126,11 @@ def scan(body: Callable, init: Any, xs: list, *, length, reverse: bool,
         ct_out[k] = c
       d_carry, d_x, d_consts = vjp(jax.tree.unflatten(out_tree, ct_out))
       d_carry = jax.tree.leaves(d_carry)
-      # Slice i of an in-place buffer is written only after everything else
-      # this iteration computes, the readers of its old value among them.
-      # Unordered, XLA would copy the whole buffer to keep the old slice.
+      # Slice i of an in-place buffer (the state) is written only after the
+      # new weights, whose computation reads its old value. Unordered, XLA
+      # would copy the whole buffer to keep the old slice.
       zero = _zero_after([d_x[j] for j in fresh])
-      new = [d_x[j] - zero.astype(d_x[j].dtype) for j in in_place]
+      new = [_after(d_x[j], zero) for j in in_place]
       new += [d_x[j] for j in fresh]
       buffers = [lax.dynamic_update_index_in_dim(buf, v, i, 0)
                  for v, buf in zip(new, buffers)]
@@ -169,19 +169,28 @@ def scan(body: Callable, init: Any, xs: list, *, length, reverse: bool,
 
 
 def _zero_after(deps: list) -> jax.Array:
-  """``+0.0`` computed from ``deps``, so XLA orders it after them.
+  """The integer 0, computed from ``deps`` so that XLA orders it after them.
 
-  ``d * 0`` is a zero or NaN (XLA does not fold a float product with zero),
-  which converts to the integer 0 or, for NaN, to 0 or a negative number;
-  the max with 0 makes it 0. ``x - (+0.0)`` is ``x`` bit for bit, -0.0
-  included.
+  ``d * 0`` is a zero or NaN (XLA does not fold a float product with zero);
+  it converts to the integer 0 (or, for NaN, on some backends to a negative
+  number), and the max with 0 makes it 0.
   """
   zero = jnp.int32(0)
   for d in deps:
     if _is_float(d) and d.size:
       product = d.reshape(-1)[0] * 0
       zero = lax.max(zero, lax.convert_element_type(product, jnp.int32))
-  return zero.astype(jnp.float32)
+  return zero
+
+
+def _after(x: jax.Array, zero: jax.Array) -> jax.Array:
+  """``x`` bit for bit, computed once ``zero`` (always 0) is.
+
+  A select, not arithmetic: ``x - 0.0`` would flush a subnormal ``x`` to
+  zero on CPU, and a bit-wise or with 0 changed XLA's fusion for the worse.
+  """
+  return lax.select(jnp.broadcast_to(zero == 0, x.shape), x,
+                    jnp.zeros_like(x))
 
 
 def _is_float(a) -> bool:
