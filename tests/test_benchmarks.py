@@ -54,8 +54,9 @@ def test_scanned_stack_peak_memory_is_near_plain():
   peak here (new weights and state as fresh stacks); immgrad.scan's
   backward loop writes them in place and measures 1.03x on CPU: what is
   left is one layer's new first and second moments, which XLA keeps as
-  their own buffers (benchmarks/results.json). The 1.05 bound fails at
-  any stacked copy of weights or state (+1/16 of a stack or more)."""
+  their own buffers (benchmarks/results.json). The bound, 1.05, fails if
+  the loop copies a whole stack (64 MB of weights or of a moment: +23%),
+  or keeps four or more layer-sized slices (4 MB each) beyond plain's."""
   candidates = [c for c in models.scanned_mlp(16, 1024, 64)
                 if c.name in ("plain", "updated (atomic=False)")]
   peaks = {}
