@@ -92,6 +92,11 @@ class Slot:
       slot.layer, slot._claims = layer, (child.origin, layer)
       child, slot = slot, slot.parent
 
+  def watch(self, leaf: jax.Array) -> jax.Array:
+    """Makes this slot's view ``leaf`` through :func:`watched`; returns it."""
+    self.view = watched(leaf, self.mark_ordinary)
+    return self.view
+
   def mark_ordinary(self) -> None:
     """Records that an ordinary use sent back a nonzero cotangent."""
     self.ordinary = True

@@ -114,9 +114,8 @@ def value_and_grad(fun: Callable[..., Any], tx: optax.GradientTransformation,
       for i, view in enumerate(views):
         slot = context.Slot(path=paths[i], view=None, weight=weights[i],
                             state=carried[i], state_like=states[i])
-        slot.view = context.watched(view, slot.mark_ordinary)
+        views[i] = slot.watch(view)
         run.add(slot)
-      views = [slot.view for slot in run.slots]
       with context.opened(run):
         out = fun(treedef.unflatten(views), *args)
       _check_loss(fun, out, has_aux)

@@ -96,14 +96,14 @@ def scan(f: Callable, init: Any, xs: Any = None, length=None,
     x = scanned[:len(leaves)]
     inner = step.nested()
     inner_slots.clear()
-    for (i, slot), start, like in zip(stacked, starts, per_layer):
-      weight, *split = scanned[start:start + 1 + len(jax.tree.leaves(like))]
+    for (i, slot), start, c, like in zip(stacked, starts, channels,
+                                         per_layer):
+      weight, *split = scanned[start:start + len(c)]
       inner_slot = context.Slot(
           path=f"{slot.path} (one layer of immgrad.scan)", view=None,
           weight=weight, state=_join_state(split, like), state_like=like,
           parent=slot, origin=origin)
-      inner_slot.view = context.watched(x[i], inner_slot.mark_ordinary)
-      x[i] = inner_slot.view
+      x[i] = inner_slot.watch(x[i])
       inner.add(inner_slot)
       inner_slots.append(inner_slot)
     with context.opened(inner):
