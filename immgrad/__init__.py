@@ -9,6 +9,7 @@ from immgrad._src.grad import value_and_grad as value_and_grad
 from immgrad._src.layer import immediate_layer as immediate_layer
 from immgrad._src.remat import checkpoint as checkpoint
 from immgrad._src.scan import scan as scan
+from immgrad._src.shim import ImmediateGrad as ImmediateGrad
 from immgrad._src.shim import ShimState as ShimState
 from immgrad._src.shim import ShimTransformation as ShimTransformation
 from immgrad._src.shim import Stepped as Stepped
@@ -22,6 +23,7 @@ except _metadata.PackageNotFoundError:  # Imported from a source tree.
   __version__ = "0+unknown"
 
 __all__ = (
+    "ImmediateGrad",
     "ShimState",
     "ShimTransformation",
     "Stepped",

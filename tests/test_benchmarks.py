@@ -35,28 +35,33 @@ def test_naive_baseline_equals_the_sequential_reference():
 
 
 def test_flops_are_plain_trainings():
-  """The extra work is O(parameters), the model's O(batch x parameters):
-  at batch 256 it is +0.1% without the atomic check (the shim's new - old)
-  and +0.7% with it (benchmarks/results.json), whatever the width."""
+  """The extra work is O(parameters), the model's O(batch x parameters).
+
+  Without the atomic check: the landing of each new weight (a compare, a
+  subtraction, a select: +0.3% here). With it, one more evaluation of the
+  optimizer than plain training (in the backward rule, to check the step
+  before anything is written; the commit evaluates it again): adam costs
+  about 26 FLOPs per parameter by XLA's count, +2.2% to +2.5% at width 128
+  and batch 256 (benchmarks/results.json). A second backward pass would
+  cost +50%, and dX at the new weights taken twice +33%."""
   for depth in (2, 4):
     figures = measure.measure(models.mlp(depth, 128, 256), warmup=0,
                               repeats=1)
     r = measure.ratios(figures)
-    assert 1.0 <= r["updated (atomic=False)"]["flops"] < 1.003, r
+    assert 1.0 <= r["updated (atomic=False)"]["flops"] < 1.004, r
     for method in ("current", "updated"):
-      assert 1.0 <= r[method]["flops"] < 1.012, (method, r[method])
+      assert 1.0 <= r[method]["flops"] < 1.03, (method, r[method])
 
 
 def test_scanned_stack_peak_memory_is_near_plain():
-  """The issue's configuration: 16 stacked 1024x1024 affine layers under
-  immgrad.scan, batch 64, adam, params and state donated. XLA's memory
-  analysis is deterministic. JAX's own scan transpose needed 1.49x plain's
-  peak here (new weights and state as fresh stacks); immgrad.scan's
-  backward loop writes them in place and measures 1.03x on CPU: what is
-  left is one layer's new first and second moments, which XLA keeps as
-  their own buffers (benchmarks/results.json). The bound, 1.05, fails if
-  the loop copies a whole stack (64 MB of weights or of a moment: +23%),
-  or keeps four or more layer-sized slices (4 MB each) beyond plain's."""
+  """16 stacked 1024x1024 affine layers under immgrad.scan, batch 64, adam,
+  params and state donated. XLA's memory analysis is deterministic. JAX's
+  own scan transpose needed 1.49x plain's peak here (it stacks every
+  layer's weight and state slices as residuals); immgrad.scan's backward
+  loop stacks only activations and measures 1.00x on CPU
+  (benchmarks/results.json). The bound, 1.05, fails if the loop copies a
+  whole stack (64 MB of weights or of a moment: +23%), or keeps four or
+  more layer-sized slices (4 MB each) beyond plain's."""
   candidates = [c for c in models.scanned_mlp(16, 1024, 64)
                 if c.name in ("plain", "updated (atomic=False)")]
   peaks = {}

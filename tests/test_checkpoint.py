@@ -125,8 +125,8 @@ def test_plain_haiku_checkpoint_loads_into_immediate_model_and_back(tmp_path):
   _, grads = immgrad.value_and_grad(loss_fn, tx)(params, tx.init(params), x)
   updates, _ = tx.update(grads, tx.init(params), params)
   params = optax.apply_updates(params, updates)
-  assert all(isinstance(g, immgrad.Stepped) for g in jax.tree.leaves(
-      grads, is_leaf=lambda g: isinstance(g, immgrad.Stepped)))
+  assert all(isinstance(g, immgrad.ImmediateGrad) for g in jax.tree.leaves(
+      grads, is_leaf=lambda g: isinstance(g, immgrad.ImmediateGrad)))
 
   immgrad.save_checkpoint(path, params)
   back = immgrad.restore_checkpoint(path, plain_params)

@@ -258,8 +258,8 @@ def test_modules_not_chosen_keep_ordinary_gradients():
   merged = _merged(params)
   _, grads = immgrad.value_and_grad(_loss(model), tx)(
       merged, tx.init(merged), *data[0])
-  assert isinstance(grads["a"]["w"], immgrad.Stepped)
-  assert not isinstance(grads["m"]["scale"], immgrad.Stepped)
+  assert isinstance(grads["a"]["w"], immgrad.ImmediateGrad)
+  assert not isinstance(grads["m"]["scale"], immgrad.ImmediateGrad)
   expected = oracles.plain_steps(_loss(_model(case, hk)), optax.adam(1e-2),
                                  merged, data)
   got = oracles.immediate_steps(_loss(model), optax.adam(1e-2), merged, data,

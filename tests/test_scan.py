@@ -194,7 +194,10 @@ def test_checkpoint_changes_nothing_and_updates_once(mode, policy):
   got = oracles.immediate_steps(loss_fn, _counting(optax.adam(1e-2), calls),
                                 unrolled, data, mode=mode)
   jax.effects_barrier()
-  assert len(calls) == STEPS * len(jax.tree.leaves(unrolled))
+  # The rule runs twice per parameter and step: in its layer's backward
+  # rule (the finiteness check, and dX in updated mode) and in the commit.
+  # A rematerialised backward rule would make it three.
+  assert len(calls) == 2 * STEPS * len(jax.tree.leaves(unrolled))
   opt = optax.adam(1e-2)
   if mode == "current":
     expected = oracles.plain_steps(chain.loss_fn(), opt, unrolled, data)
@@ -329,30 +332,10 @@ def test_checkpoint_inside_scan_updates_once():
   got = oracles.immediate_steps(loss_fn, _counting(optax.adam(1e-2), calls),
                                 _stacked(unrolled), data, mode="current")
   jax.effects_barrier()
-  # One call per parameter leaf (w and b of each layer, and the head) and
-  # step; the stacked leaves call it once per layer.
-  assert len(calls) == STEPS * len(jax.tree.leaves(unrolled))
+  # Two calls per parameter leaf (w and b of each layer, and the head) and
+  # step: the backward rule and the commit each step every layer's slice
+  # once. A rematerialised backward rule would make it three.
+  assert len(calls) == 2 * STEPS * len(jax.tree.leaves(unrolled))
   oracles.assert_runs_close(got, _expected("current", optax.adam(1e-2),
                                            chain, unrolled, data),
                             atol=ATOL, rtol=RTOL)
-
-
-def test_in_place_write_ordering_leaves_values_bit_for_bit():
-  """The backward loop orders each in-place state write after the layer's
-  new weights through an integer 0 computed from them (scan_vjp.py). That
-  must change no bit, whatever the state and the weights hold: -0.0,
-  subnormals (which float arithmetic on CPU would flush to zero), inf,
-  NaN; and a NaN or inf among the weights must not leak into the state."""
-  from immgrad._src import scan_vjp  # pylint: disable=import-outside-toplevel
-  state = jnp.array([-0.0, 0.0, 1e-45, -3.5, jnp.inf, jnp.nan, 7e37],
-                    jnp.float32)
-
-  @jax.jit
-  def written(state, weights):
-    zero = scan_vjp._zero_after([weights])  # pylint: disable=protected-access
-    return scan_vjp._after(state, zero)  # pylint: disable=protected-access
-
-  for first in (jnp.nan, jnp.inf, -jnp.inf, -0.0, 2.5):
-    out = written(state, jnp.array([first, 1.0], jnp.float32))
-    np.testing.assert_array_equal(np.asarray(out).view(np.uint32),
-                                  np.asarray(state).view(np.uint32))

@@ -2,16 +2,17 @@
 
 ``immgrad.value_and_grad`` hands the loss the parameters as usual, but each
 leaf is a fresh value (the output of a *sentinel*, see ``grad.py``) that it
-records in a :class:`Step`, together with two hidden channels for that leaf:
-the weight the layer differentiates, and the leaf's optimizer state. A
-decorated layer looks its weights up here by object identity and routes the
-hidden channels, not the values the loss saw, through its ``custom_vjp``.
+records in a :class:`Step`, together with the leaf's hidden weight channel
+(what the layer differentiates, so that its gradient never mixes with an
+ordinary use of the leaf) and its optimizer state. A decorated layer looks
+its weights up here by object identity and routes the weight channel and
+the state, not the values the loss saw, through its ``custom_vjp``.
 
 Identity is only meaningful in the trace that created the values. Inside
 ``lax.scan``, ``lax.cond``, ``jax.checkpoint``, ``vmap`` or an inner ``jit``
 a layer either sees fresh tracers (not found here) or closed-over ones whose
 backward rule JAX may run zero or many times per step (a scan body runs it
-once per iteration, and the new weights would be summed). Both raise a clear
+once per iteration, and each would step the weights). Both raise a clear
 error instead: a :class:`Step` answers only in the trace it was opened in.
 See ``docs/design.md`` for the reasoning and what stacked layers need.
 """
@@ -44,8 +45,8 @@ _NESTED = (
     "jax.checkpoint, or Haiku's hk.scan, hk.cond, hk.switch, hk.vmap, "
     "hk.jit, hk.fori_loop. Its weight update must run exactly once per "
     "step, which JAX does not promise there: a loop body runs it once per "
-    "iteration and a vmapped one once per example, and JAX would add up "
-    "the new weights; a branch may not run it at all. Call the layer at "
+    "iteration and a vmapped one once per example, each stepping the "
+    "weights again; a branch may not run it at all. Call the layer at "
     "the top level of the loss. Stacked layers: pass the stacked "
     "parameters as xs of immgrad.scan (in Haiku, hk.layer_stack inside "
     "immgrad.haiku.immediate, or immgrad.haiku.layer_stack). "
@@ -54,9 +55,10 @@ _NESTED = (
 
 _TWICE = (
     "parameter {path} reaches two immediate layer calls ({first!r} and "
-    "{second!r}) in one step. Each would return its own new weights and JAX "
-    "would add them. Give each call its own parameter, or use an ordinary "
-    "(undecorated) layer for shared weights.")
+    "{second!r}) in one step. Each would step the weights from its own part "
+    "of the gradient, and one update cannot honour both. Give each call its "
+    "own parameter, or use an ordinary (undecorated) layer for shared "
+    "weights.")
 
 
 @dataclasses.dataclass(eq=False)
@@ -64,9 +66,8 @@ class Slot:
   """One parameter leaf of one step, and what happened to it."""
   path: str
   view: jax.Array  # What the loss sees; kept alive so its id stays unique.
-  weight: jax.Array  # The channel whose cotangent carries the new weight.
-  state: Any  # The channel that carries the new optimizer state.
-  state_like: Any  # The optimizer state as stored (gives the dtypes back).
+  weight: jax.Array  # The channel whose cotangent carries the gradient.
+  state: Any  # The leaf's optimizer state, read by its layer.
   layer: Optional[str] = None  # The immediate layer call that claimed it.
   stepped: bool = False  # That layer's backward rule ran.
   ordinary: bool = False  # An ordinary use sent back a nonzero cotangent.
@@ -74,6 +75,10 @@ class Slot:
   # the outer slot it came from, and the call that made it.
   parent: Optional["Slot"] = None
   origin: Any = None
+  sliced: bool = False  # A slice along the layer axis of ``parent``.
+  # On a claimed slot: how many ``immgrad.scan`` slicings stand between it
+  # and the layer that claimed it (its leading layer axes).
+  layer_axes: int = 0
   _claims: Any = None  # On a parent: the origin and layer that claimed it.
 
   def claim(self, layer: str) -> None:
@@ -82,14 +87,16 @@ class Slot:
       raise ValueError(_TWICE.format(path=self.path, first=self.layer,
                                      second=layer))
     self.layer = layer
-    child, slot = self, self.parent
+    child, slot, layer_axes = self, self.parent, 0
     while slot is not None:
+      layer_axes += child.sliced
       # A body JAX traces twice (scan retraces on a weak-typed carry) claims
       # again from the same call: that is not a second use.
       if slot.layer is not None and slot._claims != (child.origin, layer):
         raise ValueError(_TWICE.format(path=slot.path, first=slot.layer,
                                        second=layer))
       slot.layer, slot._claims = layer, (child.origin, layer)
+      slot.layer_axes = layer_axes
       child, slot = slot, slot.parent
 
   def watch(self, leaf: jax.Array) -> jax.Array:
@@ -112,11 +119,13 @@ class Slot:
 class Step:
   """The parameters of one ``value_and_grad`` step, by object identity."""
 
-  def __init__(self, tx, mode: str, axis_name,
+  def __init__(self, tx, mode: str, axis_name, atomic: bool, flag: jax.Array,
                parent: Optional["Step"] = None):
     self.tx = tx
     self.mode = mode
     self.axis_name = axis_name
+    self.atomic = atomic  # Layers report whether their step was finite,
+    self.flag = flag  # through this scalar's (summed) cotangent.
     self.parent = parent  # The step of the enclosing trace, if nested.
     self.slots: list[Slot] = []
     self._by_id: dict[int, Slot] = {}
@@ -149,7 +158,8 @@ class Step:
 
   def nested(self) -> "Step":
     """A step for the body of a transformation traced inside this one."""
-    return Step(self.tx, self.mode, self.axis_name, parent=self)
+    return Step(self.tx, self.mode, self.axis_name, self.atomic, self.flag,
+                parent=self)
 
   def claim(self, layer: str, params: Any) -> list[Slot]:
     """Returns the slots of ``params``'s leaves, now owned by ``layer``."""
@@ -174,7 +184,7 @@ def watched(leaf: jax.Array, on_use: Callable[[], None]) -> jax.Array:
   Its backward rule calls ``on_use()`` (at trace time) when a cotangent
   that is not a symbolic zero comes back, that is when something other
   than an immediate layer used the value: an immediate layer reads the
-  hidden channels, never the value itself.
+  hidden weight channel, never the value itself.
   """
 
   @jax.custom_vjp

@@ -1,21 +1,24 @@
 """``value_and_grad``: one training step's loss and what the shim consumes.
 
-The loss is differentiated with ``jax.vjp`` with respect to three copies of
-the parameter leaves:
+The loss is differentiated with ``jax.vjp`` with respect to two copies of
+the parameter leaves and one scalar:
 
 * the *views* the loss sees, each the output of ``context.watched`` (an
   identity ``custom_vjp`` with symbolic zeros) so that, at trace time, we
   learn whether anything other than an immediate layer used the leaf;
 * the hidden *weight* channel an immediate layer differentiates instead of
-  the view; its cotangent is the layer's new weight;
-* the hidden *state* channel, the leaf's optimizer state, whose cotangent
-  is the new state.
+  the view; its cotangent is the layer's gradient ``dW``;
+* the step's *flag*, a zero whose cotangent counts the immediate layers
+  whose step was not finite (atomic steps only).
+
+Each leaf's optimizer state is read by its layer, not differentiated.
 
 After the backward pass each leaf is exactly one of: stepped by one
-immediate layer (its new weight and state, as :class:`Stepped`), used only
-ordinarily (its gradient, averaged over ``axis_name``), or not used at all
-(left as it was, as :class:`Stepped`). A leaf that is both immediate and
-ordinary is an error: the two cotangents would be added.
+immediate layer (its gradient, as :class:`ImmediateGrad`, for the shim to
+commit), used only ordinarily (its gradient, averaged over ``axis_name``),
+or not used at all (left as it was, as :class:`Stepped`). A leaf that is
+both immediate and ordinary is an error: its layer would step it from part
+of its gradient.
 """
 
 from typing import Any, Callable
@@ -27,16 +30,15 @@ import optax
 from immgrad._src import axes
 from immgrad._src import context
 from immgrad._src import shim as shim_lib
-from immgrad._src import state as state_lib
 
 _MODES = ("updated", "current")
 
 _MIXED = (
     "parameter {path} is used by immediate layer {layer!r} and also by an "
     "ordinary operation in the loss (e.g. tied weights, a regulariser, or a "
-    "second undecorated use). Its new weights and its gradient would be "
-    "added. Use it in one way only: decorate every use (each with its own "
-    "parameter), or none.")
+    "second undecorated use). The layer would step it, and take dX, from "
+    "its own part of the gradient only. Use it in one way only: decorate "
+    "every use (each with its own parameter), or none.")
 
 
 def value_and_grad(fun: Callable[..., Any], tx: optax.GradientTransformation,
@@ -60,8 +62,10 @@ def value_and_grad(fun: Callable[..., Any], tx: optax.GradientTransformation,
   Returns:
     ``step(params, opt_state, *args) -> (loss, grads)`` (or
     ``((loss, aux), grads)``), where ``grads`` is what ``tx.update``
-    consumes: for each immediate layer's parameters a :class:`Stepped` with
-    the new values, for every other used parameter its gradient.
+    consumes: for each immediate layer's parameters an
+    :class:`ImmediateGrad` (its gradient, which the layer already stepped
+    with in the backward pass), for every other used parameter its
+    gradient, and for an unused one a :class:`Stepped` that keeps it.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax
@@ -108,12 +112,14 @@ def value_and_grad(fun: Callable[..., Any], tx: optax.GradientTransformation,
     states = shim_lib.flatten_like(
         treedef, shim_lib.state_of(opt_state), "opt_state")
     _check_states(tx.inner, paths, leaves, states)
-    run = context.Step(tx.inner, mode, axis_name)
+    run = None
 
-    def loss(views, weights, carried):
+    def loss(views, weights, flag):
+      nonlocal run
+      run = context.Step(tx.inner, mode, axis_name, tx.atomic, flag)
       for i, view in enumerate(views):
         slot = context.Slot(path=paths[i], view=None, weight=weights[i],
-                            state=carried[i], state_like=states[i])
+                            state=states[i])
         views[i] = slot.watch(view)
         run.add(slot)
       with context.opened(run):
@@ -122,16 +128,15 @@ def value_and_grad(fun: Callable[..., Any], tx: optax.GradientTransformation,
       return out
 
     value, backward, *aux = jax.vjp(
-        loss, leaves, leaves, [state_lib.encode(s) for s in states],
-        has_aux=has_aux)
-    cts, new_weights, new_carried = backward(jnp.ones_like(value))
+        loss, leaves, leaves, jnp.zeros((), jnp.float32), has_aux=has_aux)
+    cts, dws, nonfinite = backward(jnp.ones_like(value))
     grads = []
     for i, slot in enumerate(run.slots):
       if slot.layer is not None and slot.ordinary:
         raise ValueError(_MIXED.format(path=slot.path, layer=slot.layer))
       if slot.layer is not None and slot.stepped:
-        grads.append(shim_lib.Stepped(
-            new_weights[i], state_lib.decode(new_carried[i], states[i])))
+        grads.append(shim_lib.ImmediateGrad(dws[i], nonfinite,
+                                            slot.layer_axes))
       elif slot.ordinary:
         grads.append(axes.mean_of_cotangent(cts[i], leaves[i], axis_name))
       else:  # Untouched this step: keep its weights and state.

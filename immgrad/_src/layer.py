@@ -6,11 +6,20 @@ Inside ``immgrad.value_and_grad`` a decorated ``fun(x, params)`` becomes a
 1. takes the local weight gradient ``dW`` (with the forward pass's own
    residuals, as plain JAX would);
 2. averages it over ``axis_name`` when one is set;
-3. applies the optimizer with this layer's own optimizer state;
+3. applies the optimizer with this layer's own optimizer state, giving the
+   layer's new weights (``mode="updated"``) and, for atomic steps, whether
+   every new weight and state is finite;
 4. computes ``dX`` at the old weights (``mode="current"``, exactly ordinary
    backprop) or at the new ones (``mode="updated"``);
-5. returns ``dX``, and the new weights and state through the cotangent slots
-   of the hidden weight and state channels (see ``context.py``).
+5. returns ``dX``, ``dW`` through the cotangent slot of the hidden weight
+   channel (see ``context.py``), and 1 if the step was not finite (else 0)
+   through the step's flag, whose cotangent JAX sums over all layers.
+
+The new weights are not kept: like plain training, the backward pass keeps
+only ``dW``, and the shim commits every parameter once, at the end of the
+step, by running the same optimizer on the same ``dW``, state and weights
+(``commit.py``, which says when the two can differ in the last bit). So an
+all-or-nothing step needs no second copy of the weights and state.
 
 Outside ``immgrad.value_and_grad`` the decorated function is ``fun`` itself.
 """
@@ -21,11 +30,10 @@ from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from immgrad._src import axes
 from immgrad._src import context
-from immgrad._src import state as state_lib
+from immgrad._src import commit
 
 
 def immediate_layer(fun: Optional[Callable[[Any, Any], Any]] = None, *,
@@ -125,11 +133,12 @@ def _immediate(fun, step: context.Step, slots, treedef, x):
     return axes.local(treedef.unflatten(weights), axis_name)
 
   @jax.custom_vjp
-  def core(x, weights, states):
-    del states
+  def core(x, weights, states, flag):
+    del states, flag
     return fun(x, treedef.unflatten(weights))
 
-  def fwd(x, weights, states):
+  def fwd(x, weights, states, flag):
+    del flag
     if step.mode == "current":
       y, vjp = jax.vjp(fun, x, bound(weights))
     else:
@@ -143,18 +152,20 @@ def _immediate(fun, step: context.Step, slots, treedef, x):
     else:
       (dw,) = vjp(dy)
     dw = axes.mean(jax.tree.leaves(dw), axis_name)
-    new_weights, new_states = [], []
-    for slot, g, w, s in zip(slots, dw, weights, states):
-      updates, new_state = step.tx.update(
-          g, state_lib.decode(s, slot.state_like), w)
-      new_weights.append(optax.apply_updates(w, updates))
-      new_states.append(state_lib.encode(new_state))
+    nonfinite = jnp.zeros((), jnp.float32)
+    if step.mode == "updated" or step.atomic:
+      stepped = [commit.step_parameter(step.tx, g, s, w)
+                 for g, s, w in zip(dw, states, weights)]
+      if step.atomic:
+        nonfinite = jnp.where(commit.all_finite((dw, stepped)), 0.0, 1.0)
+      if step.mode == "updated":
+        new = treedef.unflatten([w for w, _ in stepped])
+        _, vjp_x = jax.vjp(lambda x: fun(x, new), x)
+        (dx,) = vjp_x(dy)
+    for slot in slots:
       slot.mark_stepped()
-    if step.mode == "updated":
-      new = treedef.unflatten(new_weights)
-      _, vjp_x = jax.vjp(lambda x: fun(x, new), x)
-      (dx,) = vjp_x(dy)
-    return dx, new_weights, new_states
+    return dx, dw, None, nonfinite
 
   core.defvjp(fwd, bwd)
-  return core(x, [s.weight for s in slots], [s.state for s in slots])
+  return core(x, [s.weight for s in slots], [s.state for s in slots],
+              step.flag)

@@ -4,9 +4,9 @@
 arguments, so an immediate layer inside cannot find its parameter (and one
 closed over would be refused, see ``context.py``). ``immgrad.checkpoint``
 has ``jax.checkpoint``'s signature; for every argument leaf that is a
-parameter of the current step it passes the leaf's hidden weight and
-optimizer-state channels in as extra arguments and, inside, registers the
-fresh tracers as that step's parameters. Rematerialisation re-runs the
+parameter of the current step it passes the leaf's hidden weight channel
+and optimizer state (and the step's finiteness flag) in as extra arguments
+and, inside, registers the fresh tracers as that step's parameters. Rematerialisation re-runs the
 forward pass only: a layer's forward rule saves what its backward rule
 needs, and the backward rule, where the update happens, runs once per step.
 """
@@ -43,7 +43,7 @@ def checkpoint(fun: Callable, *, prevent_cse=True, policy=None,
     >>> tx = immgrad.shim(optax.sgd(0.1))
     >>> loss, grads = immgrad.value_and_grad(loss_fn, tx)(
     ...     params, tx.init(params), jnp.ones((2, 3)))
-    >>> isinstance(grads["block"]["w"], immgrad.Stepped)
+    >>> isinstance(grads["block"]["w"], immgrad.ImmediateGrad)
     True
   """
   options = dict(prevent_cse=prevent_cse, policy=policy,
@@ -66,20 +66,21 @@ def checkpoint(fun: Callable, *, prevent_cse=True, policy=None,
       return plain()
     origin = object()
 
-    def inner(channels, *args, **call_kwargs):
+    def inner(channels, flag, *args, **call_kwargs):
       nested = step.nested()
+      nested.flag = flag
       views = jax.tree.leaves((args, call_kwargs))
       for (i, slot), (weight, state) in zip(found, channels):
         nested.add(context.Slot(
             path=slot.path, view=views[i], weight=weight, state=state,
-            state_like=slot.state_like, parent=slot, origin=origin))
+            parent=slot, origin=origin))
       with context.opened(nested):
         return fun(*args, **call_kwargs)
 
-    # The channels come first: static positions move up by one.
-    shifted = tuple((i % len(args)) + 1 for i in static_argnums)
+    # The channels and the flag come first: static positions move up by two.
+    shifted = tuple((i % len(args)) + 2 for i in static_argnums)
     channels = [(slot.weight, slot.state) for _, slot in found]
     return jax.checkpoint(inner, static_argnums=shifted, **options)(
-        channels, *args, **call_kwargs)
+        channels, step.flag, *args, **call_kwargs)
 
   return wrapped

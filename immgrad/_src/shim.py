@@ -1,12 +1,19 @@
-"""``shim``: the optax optimizer that applies what immediate layers computed.
+"""``shim``: the optax optimizer that commits what immediate layers computed.
 
 The shim keeps one optimizer state per parameter leaf (``tx.init`` of that
 leaf alone), because an immediate layer steps its own leaves during the
 backward pass, long before the other gradients exist. ``update`` takes the
-tree that ``immgrad.value_and_grad`` returns: a leaf that is a
-:class:`Stepped` already holds its new weights and state (an immediate layer
-stepped it, or the step did not touch it); any other leaf is an ordinary
+tree that ``immgrad.value_and_grad`` returns and commits the whole step at
+once: a leaf that is an :class:`ImmediateGrad` is stepped again from the
+same gradient, state and weights its layer stepped it with (so its new
+weights are the ones the layer took ``dX`` at); a :class:`Stepped` leaf
+already holds its new weights and state; any other leaf is an ordinary
 gradient and gets ``tx``'s normal update.
+
+Atomic steps: every layer checked its own step in the backward pass, and
+the commit runs under one ``lax.cond`` on the step's finiteness, so a
+rejected step writes nothing, and a clean one updates the weights and
+state in place, as plain training does.
 
 So ``tx`` must act on each parameter on its own. ``shim`` checks this once,
 by running ``tx`` on a small probe tree whole and leaf by leaf, and rejects
@@ -15,13 +22,17 @@ a transformation that needs the whole tree (``clip_by_global_norm``,
 silently do something else.
 """
 
+import functools
 from typing import Any, NamedTuple, Optional
 
 import chex
 import jax
 import jax.numpy as jnp
 import optax
+from jax import lax
 from jax.extend.core import Literal
+
+from immgrad._src import commit as commit_lib
 
 
 class ShimState(NamedTuple):
@@ -39,12 +50,51 @@ class ShimState(NamedTuple):
 class Stepped(NamedTuple):
   """A leaf of the tree from ``immgrad.value_and_grad`` that is already done.
 
+  ``immgrad.value_and_grad`` gives one for a parameter the step did not use
+  (its old values: kept bit for bit); the shim also accepts one with new
+  values computed elsewhere.
+
   Attributes:
     params: the parameter's new value.
     state: the parameter's new ``tx`` state.
   """
   params: chex.Array
   state: Any
+
+
+@jax.tree_util.register_pytree_node_class
+class ImmediateGrad:
+  """A leaf of the tree from ``immgrad.value_and_grad``: a stepped gradient.
+
+  The immediate layer that used the parameter has already stepped it with
+  this gradient in the backward pass (for ``dX``, and to check the step);
+  the shim commits that step.
+
+  Attributes:
+    grad: the parameter's gradient, averaged over ``axis_name``.
+    nonfinite: how many immediate layer calls of the step found a
+      non-finite gradient, new weight or new state (the same scalar for
+      every parameter of the step), or None if the step was not checked
+      (a shim with ``atomic=False``).
+    layer_axes: how many leading layer axes ``immgrad.scan`` split the
+      parameter over (0 for an unstacked one): the step is taken per layer.
+  """
+
+  def __init__(self, grad, nonfinite=None, layer_axes: int = 0):
+    self.grad = grad
+    self.nonfinite = nonfinite
+    self.layer_axes = layer_axes
+
+  def tree_flatten(self):
+    return (self.grad, self.nonfinite), self.layer_axes
+
+  @classmethod
+  def tree_unflatten(cls, layer_axes, children):
+    return cls(*children, layer_axes)
+
+  def __repr__(self):
+    return (f"ImmediateGrad(grad={self.grad!r}, nonfinite={self.nonfinite!r}, "
+            f"layer_axes={self.layer_axes})")
 
 
 class ShimTransformation(optax.GradientTransformation):
@@ -54,6 +104,11 @@ class ShimTransformation(optax.GradientTransformation):
   def inner(self) -> optax.GradientTransformation:
     """The per-parameter rule that immediate layers apply."""
     return self._inner
+
+  @property
+  def atomic(self) -> bool:
+    """Whether a step with any non-finite value is rejected whole."""
+    return self._atomic
 
 
 _NOT_SEPARABLE = (
@@ -203,26 +258,30 @@ def shim(tx: optax.GradientTransformation, *,
 
   ``init(params)`` gives every parameter its own ``tx`` state.
   ``update(grads, state, params)`` takes the tree from
-  ``immgrad.value_and_grad``: leaves an immediate layer already stepped
-  (:class:`Stepped`) come back as the updates that land on their new
-  values, with their new state; every other leaf gets ``tx``'s own update.
-  Plain gradients (from ``jax.grad``) train exactly as ``tx`` would.
+  ``immgrad.value_and_grad`` and commits the step: a parameter an
+  immediate layer stepped (:class:`ImmediateGrad`) gets the new weights and
+  state its layer computed, a :class:`Stepped` leaf the values it holds,
+  and every other leaf ``tx``'s own update. Plain gradients (from
+  ``jax.grad``) train exactly as ``tx`` would.
 
   Atomic steps: by the time the backward pass meets a non-finite gradient,
   the layers after it have already computed their new weights. With
-  ``atomic=True`` (the default) ``update`` checks every new weight, new
-  optimizer state, gradient and update of the step; if any is NaN or
-  infinite it rejects the whole step: every update is ``-0.0`` (so every
-  weight, ``-0.0`` included, stays bit for bit as it was), every state
-  keeps its old value, and ``state.rejected`` counts the step. No second
-  backward pass, about 1% more FLOPs, but one extra copy of the weights and
-  optimizer state in peak memory: the old ones must outlive the new ones
-  until the whole step is known to be finite. ``atomic=False`` saves that
-  memory and leaves a non-finite step half applied.
+  ``atomic=True`` (the default) every gradient, new weight and new
+  optimizer state of the step is checked (an immediate layer's in its
+  backward rule, an ordinary parameter's here); if any is NaN or infinite
+  the whole step is rejected: every update is ``-0.0`` (so every weight,
+  ``-0.0`` included, stays bit for bit as it was), every state keeps its
+  old value, and ``state.rejected`` counts the step. The commit is one
+  ``lax.cond`` on that check, so a clean step updates the weights and
+  state in place; what the check keeps alive is the step's gradients (as
+  ``optax.apply_if_finite`` does), not a second copy of the weights and
+  state. ``atomic=False`` leaves a non-finite step half applied.
 
-  Exactness: the update for an immediate weight is ``new - p``, so
-  ``optax.apply_updates`` computes ``p + (new - p)``. That is bitwise
-  ``new`` whenever any float update reaches ``new`` from ``p`` (always when
+  Exactness: an immediate parameter's new weights are computed here by the
+  same function, on the same gradient, state and weights, as in its
+  layer's backward rule. Its update is ``new - p``, so
+  ``optax.apply_updates`` computes ``p + (new - p)``: bitwise ``new``
+  whenever any float update reaches ``new`` from ``p`` (always when
   ``new / p`` lies in ``[1/2, 2]``, by Sterbenz's lemma, and whenever the
   step rounded ``p + u`` as one float addition). When XLA fused the
   optimizer's arithmetic (an FMA, say) ``new`` can fall between the values
@@ -270,52 +329,95 @@ def shim(tx: optax.GradientTransformation, *,
           "immgrad.shim: update needs params: call "
           "tx.update(grads, opt_state, params).")
     keyed, treedef = jax.tree_util.tree_flatten_with_path(params)
+    paths = [jax.tree_util.keystr(path) for path, _ in keyed]
+    leaves = [leaf for _, leaf in keyed]
     grads = flatten_like(treedef, grads, "grads")
     old_states = flatten_like(treedef, state_of(state), "opt_state")
-    updates, states = [], []
-    for (path, p), g, s in zip(keyed, grads, old_states):
-      _check_like(path, g.params if isinstance(g, Stepped) else g, p)
+    for path, g, p in zip(paths, grads, leaves):
+      _check_like(path, _value_of(g), p)
+
+    def commit(path, g, s, p):
+      if isinstance(g, ImmediateGrad):
+        new, s = commit_lib.step_layers(tx, g.grad, s, p, g.layer_axes, path)
+        return commit_lib.landing(new, p), s
       if isinstance(g, Stepped):
-        updates.append(g.params - p)
-        states.append(g.state)
-      else:
-        u, s = tx.update(g, s, p)
-        updates.append(u)
-        states.append(s)
+        return commit_lib.landing(g.params, p), g.state
+      return tx.update(g, s, p)
+
+    def keep(g, s, p):
+      del g
+      return jnp.full_like(p, -0.0), s
+
+    def commit_if(ok, path, g, s, p):
+      if isinstance(g, ImmediateGrad) and g.layer_axes:
+        return commit_lib.commit_layers(tx, g.grad, s, p, ok, g.layer_axes,
+                                        path)
+      # One cond per parameter: each update's buffer lives only until it is
+      # applied, where one cond for all would hold every update at once.
+      return lax.cond(ok, functools.partial(commit, path), keep, g, s, p)
+
     rejected = state.rejected
     if atomic:
-      # A Stepped leaf's new weights and state are in updates and states.
-      ordinary = [g for g in grads if not isinstance(g, Stepped)]
-      ok = _all_finite((ordinary, updates, states))
-      updates = [jnp.where(ok, u, jnp.asarray(-0.0, u.dtype)) for u in updates]
-      states = jax.tree.map(lambda new, old: jnp.where(ok, new, old), states,
-                            old_states)
+      ok = _finite(tx, paths, grads, old_states, leaves)
+      committed = [commit_if(ok, *args) for args in
+                   zip(paths, grads, old_states, leaves)]
       rejected = rejected + jnp.where(ok, 0, 1).astype(rejected.dtype)
-    return (treedef.unflatten(updates),
-            ShimState(inner=treedef.unflatten(states), rejected=rejected))
+    else:
+      committed = [commit(*args) for args in zip(paths, grads, old_states,
+                                                 leaves)]
+    updates, states = zip(*committed) if committed else ((), ())
+    return (treedef.unflatten(list(updates)),
+            ShimState(inner=treedef.unflatten(list(states)),
+                      rejected=rejected))
 
   result = ShimTransformation(init_fn, update_fn)
   result._inner = tx  # pylint: disable=protected-access
+  result._atomic = atomic  # pylint: disable=protected-access
   return result
 
 
-def _check_like(path, value, param) -> None:
+def _finite(tx, paths, grads, states, leaves) -> chex.Array:
+  """Whether every gradient, new weight and new state of the step is finite.
+
+  An immediate parameter's layer checked its own step in the backward pass;
+  the rest are checked here.
+  """
+  nonfinite, checks = [], []
+  for path, g, s, p in zip(paths, grads, states, leaves):
+    if isinstance(g, ImmediateGrad) and g.nonfinite is not None:
+      nonfinite.append(g.nonfinite)
+    elif isinstance(g, ImmediateGrad):
+      checks.append((g.grad, commit_lib.step_layers(tx, g.grad, s, p,
+                                                    g.layer_axes, path)))
+    elif isinstance(g, Stepped):
+      checks.append(g)
+    else:
+      checks.append((g, tx.update(g, s, p)))
+  ok = commit_lib.all_finite(checks)
+  # One step's layers all report through the same scalar: count it once.
+  for count in {id(n): n for n in nonfinite}.values():
+    ok = ok & (count == 0)
+  return ok
+
+
+def _value_of(g) -> chex.Array:
+  if isinstance(g, ImmediateGrad):
+    return g.grad
+  if isinstance(g, Stepped):
+    return g.params
+  return g
+
+
+def _check_like(path: str, value, param) -> None:
   """A clear error if a gradient or new value does not fit its parameter."""
   got = (jnp.shape(value), jnp.result_type(value))
   want = (jnp.shape(param), jnp.result_type(param))
   if got != want:
     raise ValueError(
         f"immgrad.shim: the gradient or new value for parameter "
-        f"{jax.tree_util.keystr(path)} is {got[1]}{list(got[0])}, but the "
+        f"{path} is {got[1]}{list(got[0])}, but the "
         f"parameter is {want[1]}{list(want[0])}. Did the params change "
         "shape between value_and_grad and update?")
-
-
-def _all_finite(tree: Any) -> chex.Array:
-  """Whether every float value in ``tree`` is finite, as one bool."""
-  checks = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
-            if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
-  return jnp.all(jnp.stack(checks)) if checks else jnp.asarray(True)
 
 
 def state_of(state: Any) -> Any:
