@@ -1,16 +1,19 @@
 """``python -m benchmarks``: what immediate updates cost, against plain JAX.
 
-Run from the repository root. For each model, plain training and immgrad
-(``current``, ``updated``, and ``updated`` without the atomic check) are
-compiled and run side by side in one process; the figures are reported as
-ratios to plain training measured in the same run (see ``measure.py`` for
-how each is taken, ``models.py`` for the models and methods). Writes
-``benchmarks/results.json`` and ``benchmarks/depth.png`` (or ``--out``) and
-prints a Markdown table.
+Run from the repository root. For each model, plain training (with and
+without ``optax.apply_if_finite``) and immgrad (``current`` and
+``updated``, with and without the atomic check) are compiled and run side
+by side in one process; the figures are reported as ratios to plain
+training measured in the same run, and the atomic methods' also to plain
+training with ``apply_if_finite`` (see ``measure.py`` for how each is
+taken, ``models.py`` for the models and methods). XLA's cost analysis
+counts a loop's body once, so the FLOPs of a scanned model are those of
+the same model unrolled. Writes ``benchmarks/results.json`` and
+``benchmarks/depth.png`` (or ``--out``) and prints a Markdown table.
 
-``--quick`` (under 3 minutes on 2 CPU cores) times 5 steps instead of 20
-and sweeps a narrower MLP to depth 16; the default follows the full
-settings below.
+``--quick`` (under 5 minutes on 2 CPU cores) times 5 steps instead of 20,
+uses smaller batches and sweeps a narrower MLP to depth 16; the default
+follows the full settings below.
 """
 
 import argparse
@@ -28,13 +31,19 @@ from benchmarks import models
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+# The many-leaf model: 24 blocks of 16 parameter leaves each (392 in all),
+# where per-parameter costs (compile time above all) show.
+DEEP = dict(blocks=24, d_model=128, heads=4, mlp_size=512, seq=64)
+SWEEP_METHODS = ("plain", "updated", "updated (atomic=False)", "naive")
+
+
 def settings(quick: bool) -> dict:
   if quick:
     return dict(warmup=1, repeats=5, mlp=dict(depth=8, width=1024, batch=256),
-                transformer=dict(batch=4),
+                transformer=dict(batch=4), deep=dict(batch=2),
                 depths=(2, 4, 8, 16), sweep=dict(width=256, batch=64))
   return dict(warmup=2, repeats=20, mlp=dict(depth=8, width=1024, batch=256),
-              transformer=dict(batch=16),
+              transformer=dict(batch=16), deep=dict(batch=8),
               depths=(2, 4, 8, 16, 32), sweep=dict(width=1024, batch=256))
 
 
@@ -50,25 +59,36 @@ def main(argv=None) -> int:
   results = {"settings": {**s, "optimizer": "adam(1e-3)", "quick": args.quick},
              "machine": _machine(), "models": {}, "depth_sweep": {}}
 
-  def run(name, candidates):
+  def run(name, candidates, twin=None):
     print(f"measuring {name} ...", file=sys.stderr, flush=True)
     figures = measure.measure(candidates, **timing)
-    results["models"][name] = {"figures": figures,
-                               "ratios": measure.ratios(figures)}
+    entry = {"figures": figures}
+    if twin is not None:  # A loop's FLOPs, from the same model unrolled.
+      twin_name, twin_candidates = twin
+      for method, flops in measure.flops(twin_candidates).items():
+        figures[method]["flops"] = flops
+      entry["flops_from"] = twin_name
+    entry["ratios"] = measure.ratios(figures)
+    entry["ratios_to_apply_if_finite"] = measure.ratios(
+        figures, baseline="plain + apply_if_finite")
+    results["models"][name] = entry
 
-  m = s["mlp"]
+  m, t, d = s["mlp"], s["transformer"], s["deep"]
   run(f"MLP {m['depth']}x{m['width']}, batch {m['batch']}", models.mlp(**m))
-  t = s["transformer"]
   run(f"Transformer LM (4 blocks, d 256, batch {t['batch']})",
       models.transformer(**t))
   run(f"Transformer LM, blocks under hk.layer_stack (batch {t['batch']})",
-      models.transformer(stacked=True, **t))
+      models.transformer(stacked=True, **t),
+      twin=("the same, unrolled", models.transformer(**t)))
   run("MLP 16x1024 under immgrad.scan, batch 64",
-      models.scanned_mlp(16, 1024, 64))
+      models.scanned_mlp(16, 1024, 64),
+      twin=("MLP 16x1024, batch 64", models.mlp(16, 1024, 64)))
+  run(f"Transformer LM (24 blocks, d 128, 392 leaves, batch {d['batch']})",
+      models.transformer(**DEEP, **d))
   for depth in s["depths"]:
     print(f"measuring depth {depth} ...", file=sys.stderr, flush=True)
     figures = measure.measure(
-        models.mlp(depth, naive=True, **s["sweep"]), **timing)
+        models.mlp(depth, methods=SWEEP_METHODS, **s["sweep"]), **timing)
     results["depth_sweep"][depth] = {"figures": figures,
                                      "ratios": measure.ratios(figures)}
 
@@ -81,19 +101,27 @@ def main(argv=None) -> int:
 
 
 def table(results) -> str:
-  rows = ["| model | method | FLOPs | peak memory | step time | compile time |"
-          " step ms (plain) | peak MB (plain) |",
+  """The README's table: ratios to plain training (and, for atomic steps,
+  to plain training with apply_if_finite), plain's absolute figures."""
+  rows = ["| model | method | FLOPs | peak memory | step time | compile time "
+          "| memory / apply_if_finite | step time / apply_if_finite |",
           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
   for name, entry in results["models"].items():
     plain = entry["figures"]["plain"]
+    label = (f"{name} (plain: {plain['median_step_seconds'] * 1e3:.1f} ms, "
+             f"{plain['peak_bytes'] / 2**20:.0f} MB)")
     for method, r in entry["ratios"].items():
       if method == "plain":
         continue
+      peer = entry["ratios_to_apply_if_finite"][method]
+      atomic = not method.startswith("plain") and "atomic=False" not in method
+      vs_peer = (f"{peer['peak_bytes']:.3f} | "
+                 f"{peer['median_step_seconds']:.3f}" if atomic else " | ")
       rows.append(
-          f"| {name} | {method} | {r['flops']:.3f} | {r['peak_bytes']:.3f} | "
-          f"{r['median_step_seconds']:.3f} | {r['compile_seconds']:.2f} | "
-          f"{plain['median_step_seconds'] * 1e3:.1f} | "
-          f"{plain['peak_bytes'] / 2**20:.1f} |")
+          f"| {label} | {method} | {r['flops']:.3f} | {r['peak_bytes']:.3f} "
+          f"| {r['median_step_seconds']:.3f} | {r['compile_seconds']:.2f} | "
+          f"{vs_peer} |")
+      label = ""
   rows += ["", "Depth sweep (MLP, ratio to plain at the same depth):", "",
            "| depth | method | FLOPs | step time | peak memory |",
            "| --- | --- | --- | --- | --- |"]

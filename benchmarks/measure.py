@@ -73,6 +73,13 @@ def measure(candidates: list[Candidate], *, warmup: int,
   return out
 
 
+def flops(candidates: list[Candidate]) -> dict[str, float]:
+  """Each candidate's FLOPs, compiled only (for a loop-free twin of a model:
+  XLA's cost analysis counts a loop's body once, whatever its trip count)."""
+  return {c.name: _flops(jax.jit(c.step, donate_argnums=(0, 1)).lower(
+      c.params, c.opt_state, *c.batch).compile()) for c in candidates}
+
+
 def ratios(figures: dict[str, dict], baseline: str = "plain") -> dict:
   """Each candidate's figures divided by the baseline's, same run."""
   base = figures[baseline]

@@ -3,11 +3,12 @@
 Methods (all with ``optax.adam(1e-3)``, jitted, params and state donated):
 
 * ``plain``: ``jax.value_and_grad`` + optax;
+* ``plain + apply_if_finite``: the same with ``optax.apply_if_finite``, the
+  all-or-nothing peer of the atomic shim (it checks the gradients only);
 * ``current`` / ``updated``: ``immgrad.value_and_grad`` with
   ``immgrad.shim(adam)`` (atomic, the default);
-* ``updated (atomic=False)``: the same without the all-or-nothing check,
-  whose cost is the old weights and state kept alive until the step is
-  known to be finite;
+* ``current (atomic=False)`` / ``updated (atomic=False)``: the same without
+  the all-or-nothing check;
 * ``naive`` (depth sweep only): what a user would write without immgrad to
   get "updated" gradients: the sequential re-linearization with one vjp
   chain per layer. For layer l it backpropagates from the loss through the
@@ -28,7 +29,8 @@ import immgrad
 import immgrad.haiku
 from benchmarks.measure import Candidate
 
-METHODS = ("plain", "current", "updated", "updated (atomic=False)")
+METHODS = ("plain", "plain + apply_if_finite", "current", "updated",
+           "current (atomic=False)", "updated (atomic=False)")
 
 
 def _fresh(tree):
@@ -42,8 +44,8 @@ def candidates_for(loss_fn: Callable, params, batch,
   out = []
   for method in methods:
     opt = optax.adam(1e-3)
-    if method == "plain":
-      tx = opt
+    if method.startswith("plain"):
+      tx = opt if method == "plain" else optax.apply_if_finite(opt, 10)
 
       def step(params, opt_state, *batch, tx=tx):
         loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
@@ -72,8 +74,11 @@ def _dense(x, p):
 dense = immgrad.immediate_layer(_dense)
 
 
-def mlp(depth: int, width: int, batch: int, *, naive: bool = False):
-  """``depth`` affine layers of ``width``, ReLU between, MSE to a target."""
+def mlp(depth: int, width: int, batch: int, *, methods=METHODS):
+  """``depth`` affine layers of ``width``, ReLU between, MSE to a target.
+
+  ``methods`` may include ``"naive"``.
+  """
   keys = jax.random.split(jax.random.PRNGKey(0), depth + 2)
   params = {f"layer{i}": {
       "w": jax.random.normal(keys[i], (width, width)) / np.sqrt(width),
@@ -89,10 +94,9 @@ def mlp(depth: int, width: int, batch: int, *, naive: bool = False):
         h = jax.nn.relu(h)
     return jnp.mean((h - y) ** 2)
 
-  methods = METHODS + (("naive",) if naive else ())
   out = candidates_for(loss_fn, params, (x, y),
                        [m for m in methods if m != "naive"])
-  if naive:
+  if "naive" in methods:
     opt = optax.adam(1e-3)
     p = _fresh(params)
     out.append(Candidate("naive", _naive_step(depth, opt), p,

@@ -20,18 +20,26 @@ an ulp of the weight.
 models it runs.
 """
 
+import functools
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
 from immgrad._src import stacked
 
 
+@functools.partial(jax.jit, static_argnums=0)
 def step_parameter(tx: optax.GradientTransformation, grad, state, weights):
-  """One parameter's new weights and optimizer state under ``tx``."""
+  """One parameter's new weights and optimizer state under ``tx``.
+
+  Jitted only so that JAX traces it once per shape: a model's many
+  parameters of one shape share the trace (XLA inlines it).
+  """
   updates, state = tx.update(grad, state, weights)
   return optax.apply_updates(weights, updates), state
 
@@ -98,7 +106,34 @@ def commit_layers(tx, grad, state, weights, ok, layer_axes: int, path: str):
 
 
 def all_finite(tree: Any) -> jax.Array:
-  """Whether every float value in ``tree`` is finite, as one bool."""
-  checks = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
-            if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+  """Whether every float value in ``tree`` is finite, as one bool.
+
+  With as few reductions as the shapes allow: arrays of one shape (a
+  weight, its gradient, its moments) are checked together, and so are
+  those whose shape broadcasts to a larger one's (a bias to its weight).
+  XLA compiles each reduction on its own, and a reduction per array made
+  the check most of an atomic step's compile time.
+  """
+  groups = {}  # Shape -> the elementwise "is finite" of its arrays.
+  for x in jax.tree.leaves(tree):
+    if jnp.issubdtype(jnp.result_type(x), jnp.inexact):
+      shape = jnp.shape(x)
+      finite = jnp.isfinite(x)
+      groups[shape] = finite if shape not in groups else (
+          groups[shape] & finite)
+  checks = []
+  for shape in sorted(groups, key=math.prod, reverse=True):
+    if shape not in groups:  # Merged into a larger shape's check already.
+      continue
+    finite = groups.pop(shape)
+    for small in [s for s in groups if _broadcasts(s, shape)]:
+      finite = finite & groups.pop(small)
+    checks.append(jnp.all(finite))
   return jnp.all(jnp.stack(checks)) if checks else jnp.asarray(True)
+
+
+def _broadcasts(small: tuple, big: tuple) -> bool:
+  try:
+    return np.broadcast_shapes(small, big) == big
+  except ValueError:
+    return False

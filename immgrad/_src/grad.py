@@ -135,8 +135,8 @@ def value_and_grad(fun: Callable[..., Any], tx: optax.GradientTransformation,
       if slot.layer is not None and slot.ordinary:
         raise ValueError(_MIXED.format(path=slot.path, layer=slot.layer))
       if slot.layer is not None and slot.stepped:
-        grads.append(shim_lib.ImmediateGrad(dws[i], nonfinite,
-                                            slot.layer_axes))
+        grads.append(shim_lib.ImmediateGrad(
+            dws[i], nonfinite if tx.atomic else None, slot.layer_axes))
       elif slot.ordinary:
         grads.append(axes.mean_of_cotangent(cts[i], leaves[i], axis_name))
       else:  # Untouched this step: keep its weights and state.
