@@ -17,6 +17,16 @@ from immgrad._src.shim import shim as shim
 
 from immgrad import haiku as haiku  # pylint: disable=g-bad-import-order
 
+
+
+def __getattr__(name):
+  """``immgrad.flax`` and ``immgrad.equinox``: optional, imported on use."""
+  if name in ("flax", "equinox"):
+    import importlib  # pylint: disable=g-import-not-at-top
+    return importlib.import_module(f"immgrad.{name}")
+  raise AttributeError(f"module 'immgrad' has no attribute {name!r}")
+
+
 try:
   __version__ = _metadata.version("immgrad")
 except _metadata.PackageNotFoundError:  # Imported from a source tree.

@@ -17,6 +17,7 @@ import optax
 import pytest
 
 import immgrad
+from immgrad._src import compat
 import oracles
 
 ATOL, RTOL = 1e-6, 1e-5
@@ -204,6 +205,33 @@ def test_checkpoint_changes_nothing_and_updates_once(mode, policy):
   else:
     expected = oracles.sequential_steps(chain, opt, unrolled, data)
   oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.skipif(compat.JAX_VERSION < (0, 10, 2),
+                    reason="jax.checkpoint has static_argnames from 0.10.2")
+def test_checkpoint_static_argnames_changes_nothing():
+  chain, unrolled = _params()
+  data = _data()
+  remat = immgrad.checkpoint(lambda h, p, act: act(dense(h, p)),
+                             static_argnames=("act",))
+
+  def loss_fn(params, x, y):
+    h = x
+    for i in range(LAYERS):
+      h = remat(h, params[f"layer{i}"], act=jnp.tanh)
+    return oracles.mse(dense(h, params[f"layer{LAYERS}"]), y)
+
+  opt = optax.adam(1e-2)
+  got = oracles.immediate_steps(loss_fn, opt, unrolled, data, mode="updated")
+  expected = oracles.sequential_steps(chain, opt, unrolled, data)
+  oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.skipif(compat.JAX_VERSION >= (0, 10, 2),
+                    reason="only jax < 0.10.2 lacks checkpoint static_argnames")
+def test_checkpoint_static_argnames_on_old_jax_is_a_clear_error():
+  with pytest.raises(TypeError, match="needs jax >= 0.10.2"):
+    immgrad.checkpoint(lambda h, act: act(h), static_argnames=("act",))
 
 
 def test_scan_inside_checkpoint():

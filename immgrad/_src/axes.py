@@ -18,6 +18,8 @@ from typing import Any, Hashable, Optional, Sequence, Union
 import jax
 from jax import lax
 
+from immgrad._src import compat
+
 AxisName = Optional[Union[Hashable, Sequence[Hashable]]]
 
 
@@ -30,7 +32,7 @@ def _names(axis_name: AxisName) -> tuple:
 
 
 def _varying(x: Any) -> frozenset:
-  return jax.typeof(x).manual_axis_type.varying
+  return compat.varying_axes(x)
 
 
 def check_bound(axis_name: AxisName) -> None:
@@ -60,7 +62,7 @@ def local(tree: Any, axis_name: AxisName) -> Any:
 
   def cast(x):
     missing = tuple(n for n in names if n not in _varying(x))
-    return lax.pcast(x, missing, to="varying") if missing else x
+    return compat.to_varying(x, missing) if missing else x
 
   return jax.tree.map(cast, tree)
 

@@ -23,7 +23,8 @@ from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
-from jax.extend.core import get_opaque_trace_state
+
+from immgrad._src.compat import get_opaque_trace_state
 
 
 _NOT_A_PARAMETER = (

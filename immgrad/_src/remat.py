@@ -16,6 +16,7 @@ from typing import Callable
 
 import jax
 
+from immgrad._src import compat
 from immgrad._src import context
 
 
@@ -46,20 +47,26 @@ def checkpoint(fun: Callable, *, prevent_cse=True, policy=None,
     >>> isinstance(grads["block"]["w"], immgrad.ImmediateGrad)
     True
   """
-  options = dict(prevent_cse=prevent_cse, policy=policy,
-                 static_argnames=static_argnames, **kwargs)
+  options = dict(prevent_cse=prevent_cse, policy=policy, **kwargs)
+  names = compat.checkpoint_options(static_argnames)
   if isinstance(static_argnums, int):
     static_argnums = (static_argnums,)
+  if isinstance(static_argnames, str):
+    static_argnames = (static_argnames,)
 
   @functools.wraps(fun)
   def wrapped(*args, **call_kwargs):
     def plain():
-      return jax.checkpoint(fun, static_argnums=static_argnums, **options)(
-          *args, **call_kwargs)
+      return jax.checkpoint(fun, static_argnums=static_argnums, **names,
+                            **options)(*args, **call_kwargs)
 
     step = context.current()
     if step is None:
       return plain()
+    # Static keyword arguments are closed over: ``inner`` takes **kwargs,
+    # which jax.checkpoint cannot match names against.
+    static = {k: v for k, v in call_kwargs.items() if k in static_argnames}
+    call_kwargs = {k: v for k, v in call_kwargs.items() if k not in static}
     leaves = jax.tree.leaves((args, call_kwargs))
     found = step.find_all(leaves, "immgrad.checkpoint")
     if not found:
@@ -75,7 +82,7 @@ def checkpoint(fun: Callable, *, prevent_cse=True, policy=None,
             path=slot.path, view=views[i], weight=weight, state=state,
             parent=slot, origin=origin))
       with context.opened(nested):
-        return fun(*args, **call_kwargs)
+        return fun(*args, **call_kwargs, **static)
 
     # The channels and the flag come first: static positions move up by two.
     shifted = tuple((i % len(args)) + 2 for i in static_argnums)

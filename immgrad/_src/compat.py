@@ -1,0 +1,57 @@
+"""What differs between the JAX releases immgrad supports (jax >= 0.7.0).
+
+Each difference is here, once, with the release that changed it; no other
+module looks at JAX's version. Versions are compared as tuples of ints.
+
+Example:
+  >>> from immgrad._src import compat
+  >>> compat.JAX_VERSION >= (0, 7, 0)
+  True
+"""
+
+from typing import Any
+
+import jax
+from jax import lax
+
+JAX_VERSION = tuple(jax.__version_info__[:3])
+
+# jax 0.10.0 added it to jax.extend.core (and deprecated jax.core's).
+if JAX_VERSION >= (0, 10, 0):
+  from jax.extend.core import get_opaque_trace_state  # pylint: disable=g-import-not-at-top,unused-import
+else:
+  from jax.core import get_opaque_trace_state  # pylint: disable=g-import-not-at-top,unused-import
+
+
+def varying_axes(x: Any) -> frozenset:
+  """The mesh axes ``x`` varies over, inside ``shard_map(check_vma=True)``.
+
+  jax 0.10.0 replaced the aval's ``vma`` set by ``manual_axis_type``.
+  """
+  aval = jax.typeof(x)
+  if JAX_VERSION >= (0, 10, 0):
+    return aval.manual_axis_type.varying
+  return aval.vma
+
+
+def to_varying(x: jax.Array, axis_names: tuple) -> jax.Array:
+  """``x``, cast to vary over ``axis_names`` (its gradient stays local).
+
+  jax 0.8.2 added ``lax.pcast`` and deprecated ``lax.pvary`` (removed in
+  0.10.0).
+  """
+  if JAX_VERSION >= (0, 8, 2):
+    return lax.pcast(x, axis_names, to="varying")
+  return lax.pvary(x, axis_names)
+
+
+def checkpoint_options(static_argnames) -> dict:
+  """``jax.checkpoint``'s ``static_argnames``, where JAX has it (0.10.2)."""
+  if not static_argnames:
+    return {}
+  if JAX_VERSION < (0, 10, 2):
+    raise TypeError(
+        "immgrad.checkpoint(static_argnames=...) needs jax >= 0.10.2 (jax "
+        f"{jax.__version__} is installed); pass those arguments by position "
+        "with static_argnums instead.")
+  return {"static_argnames": static_argnames}
