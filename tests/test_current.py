@@ -34,6 +34,9 @@ OPTIMIZERS = {
     "rmsprop": lambda: optax.rmsprop(1e-3, momentum=0.5),
     "inject_hyperparams": lambda: optax.inject_hyperparams(optax.adam)(
         learning_rate=optax.linear_schedule(1e-2, 1e-3, 5)),
+    # Per-layer gradient norms: per parameter leaf, so per-leaf state is
+    # right (once refused, because a cond in its update looked coupling).
+    "novograd": lambda: optax.novograd(1e-2),
 }
 
 

@@ -176,18 +176,27 @@ def _why_not_separable(tx: optax.GradientTransformation) -> Optional[str]:
       s, _WHOLE_TREE_STATES)):
     if isinstance(s, _WHOLE_TREE_STATES):
       return f"its state holds a {type(s).__name__}"
-  closed = jax.make_jaxpr(lambda g, s, p: tx.update(g, s, p)[0])(
+  closed, shapes = jax.make_jaxpr(tx.update, return_shape=True)(
       probe, state, probe)
   inputs = jax.tree_util.tree_flatten_with_path((probe, state, probe))[0]
-  of_b = [jax.tree_util.DictKey("b") in path for path, _ in inputs]
-  outputs = jax.tree_util.tree_flatten_with_path(
-      jax.tree.structure(probe).unflatten(range(2)))[0]
-  tainted = _tainted(closed.jaxpr, of_b)
-  if any(t for (path, _), t in zip(outputs, tainted)
-         if jax.tree_util.DictKey("a") in path):
-    return ("the update of one parameter depends on the gradients or state "
-            "of another")
+  outputs = jax.tree_util.tree_flatten_with_path(tuple(shapes))[0]
+  owner = lambda path: next((k.key for k in path if k in _PROBE_KEYS), None)
+  from_a, from_b = (_tainted(closed.jaxpr, [owner(p) == k for p, _ in inputs])
+                    for k in ("a", "b"))
+  for (path, _), a, b in zip(outputs, from_a, from_b):
+    role = "update" if path[0].idx == 0 else "state"
+    if owner(path) == "a" and b or owner(path) == "b" and a:
+      return (f"the {role} of one parameter depends on the gradients or "
+              "state of another")
+    if owner(path) is None and (a or b):
+      return ("its state keeps a value computed from the parameters' "
+              "gradients or state that is not per parameter (a global "
+              "estimate or statistic), which a per-parameter step would "
+              "compute from one parameter alone")
   return None
+
+
+_PROBE_KEYS = (jax.tree_util.DictKey("a"), jax.tree_util.DictKey("b"))
 
 
 def _tainted(jaxpr, tainted_inputs: list) -> list:
@@ -198,7 +207,12 @@ def _tainted(jaxpr, tainted_inputs: list) -> list:
     ins = [read(v) for v in eqn.invars]
     inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
     inner = getattr(inner, "jaxpr", inner)
-    if inner is not None and len(inner.invars) == len(ins):
+    if eqn.primitive.name == "cond":  # Either branch may run.
+      index, operands = ins[0], ins[1:]
+      branches = [_tainted(b.jaxpr, operands)
+                  for b in eqn.params["branches"]]
+      outs = [index or any(o) for o in zip(*branches)]
+    elif inner is not None and len(inner.invars) == len(ins):
       outs = _tainted(inner, ins)
     else:  # Control flow and the rest: every output depends on every input.
       outs = [any(ins)] * len(eqn.outvars)
