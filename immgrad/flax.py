@@ -1,0 +1,29 @@
+"""Flax integration: unmodified NNX and Linen models made immediate.
+
+* ``immediate(fn, modules=...)``: every call of Flax's weight-carrying
+  modules inside ``fn`` (NNX ``nnx.Linear``, ``nnx.LinearGeneral``,
+  ``nnx.Einsum``, ``nnx.Conv``, ``nnx.LayerNorm``, ``nnx.RMSNorm``,
+  ``nnx.Embed``; Linen ``nn.Dense``, ``nn.DenseGeneral``, ``nn.Conv``,
+  ``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.Embed``) updates its weights
+  immediately inside ``immgrad.value_and_grad``. The params tree is Flax's
+  own (``nnx.split(model, nnx.Param)``'s state, Linen's ``params``).
+* ``DEFAULT_MODULES``: those classes, the default of ``modules``.
+
+Needs Flax: ``pip install "immgrad[flax]"``.
+"""
+
+try:
+  import flax  # pylint: disable=unused-import
+except ImportError as e:
+  raise ImportError(
+      'immgrad.flax needs Flax, which is not installed: '
+      'pip install "immgrad[flax]"') from e
+
+# pylint: disable=g-import-not-at-top,g-bad-import-order
+from immgrad._src.flax_immediate import DEFAULT_MODULES as DEFAULT_MODULES
+from immgrad._src.flax_immediate import immediate as immediate
+
+__all__ = (
+    "DEFAULT_MODULES",
+    "immediate",
+)
