@@ -3,13 +3,15 @@
 A decorated function with the wrong signature; integer or complex weights; a
 weight used twice, or used both by an immediate layer and ordinarily; a
 weight cast, scaled or sliced before the layer; a layer inside a JAX
-transformation; a transformation that needs the whole gradient tree; a
-mismatched opt_state; an unbound axis_name; shapes that change between
-steps; and more bad calls of the API.
+transformation (``vmap`` works, tests/test_vmap.py, but not with mapped
+weights or inside another transformation); a transformation that needs the
+whole gradient tree; a mismatched opt_state; an unbound axis_name; shapes
+that change between steps; and more bad calls of the API.
 """
 
 import re
 
+import chex
 import jax
 import jax.numpy as jnp
 import optax
@@ -115,21 +117,48 @@ def _checkpoint(params, x):
   return jax.checkpoint(lambda h: tiny.dense(h, params["l1"]))(x)
 
 
-def _vmap(params, x):
-  return jax.vmap(lambda row: tiny.dense(row, params["l1"]))(x)
+def _vmap_in_a_loop(params, x):  # vmap is fine, but not inside lax.scan.
+  def body(h, _):
+    return jax.vmap(lambda row: tiny.dense(row, params["l1"]))(h), None
+  return jax.lax.scan(body, x, None, length=2)[0]
 
 
-@pytest.mark.parametrize("where", [_scan_closed_over, _scan_stacked, _cond,
-                                   _checkpoint, _vmap],
-                         ids=["scan_closure", "scan_stacked", "cond",
-                              "checkpoint", "vmap"])
-def test_layer_inside_a_transformation_is_an_error(where):
+def _vmapped_weights(params, x):  # Per-example weights: mapped by vmap.
+  stacked = jax.tree.map(lambda a: jnp.stack([a] * x.shape[0]), params["l1"])
+  return jax.vmap(tiny.dense)(x, stacked)
+
+
+@pytest.mark.parametrize("where, match", [
+    (_scan_closed_over, "inside a transformation"),
+    (_scan_stacked, "not a parameter"),
+    (_cond, "inside a transformation"),
+    (_checkpoint, "inside a transformation"),
+    (_vmap_in_a_loop, "inside a transformation"),
+    (_vmapped_weights, "mapped by jax.vmap"),
+], ids=["scan_closure", "scan_stacked", "cond", "checkpoint",
+        "vmap_in_a_loop", "vmapped_weights"])
+def test_layer_inside_a_transformation_is_an_error(where, match):
   def loss_fn(params, x, y):
     return jnp.mean((where(params, x)[:, :2] - y) ** 2)
 
   tx, step = tiny.train_step(loss_fn)
-  with pytest.raises(ValueError, match="'dense'"):
+  with pytest.raises(ValueError, match="'dense'.*" + match):
     step(tiny.params(), tx.init(tiny.params()), *tiny.data())
+
+
+def test_layer_under_vmap_is_no_longer_an_error():
+  """It steps once on the batch's gradient: plain training (test_vmap.py)."""
+  def loss_fn(params, x, y):
+    out = jax.vmap(lambda row: tiny.dense(row, params["l1"]))(x)
+    return jnp.mean((out[:, :2] - y) ** 2)
+
+  tx, step = tiny.train_step(loss_fn, optax.sgd(0.1))
+  params = tiny.params()
+  got, _ = step(params, tx.init(params), *tiny.data())
+  grads = jax.grad(loss_fn)(params, *tiny.data())
+  expected = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+  # One sgd step: an ulp of the weights (batched dW against vmap's).
+  chex.assert_trees_all_close(got, expected, atol=1e-6, rtol=1e-6)
 
 
 def test_wrong_signature_is_a_type_error():
@@ -182,8 +211,11 @@ def test_mismatched_opt_state_is_a_clear_error():
     (optax.apply_if_finite(optax.adam(1e-3), 3), "apply_if_finite"),
     (optax.normalize_by_update_norm(), "normalize_by_update_norm"),
     (optax.adamw(1e-3, mask={"w": True}), "chain: masked"),
+    # Updates per parameter, but its state keeps one estimate from all.
+    (optax.contrib.dadapt_adamw(), "dadapt_adamw"),
 ], ids=["clip_by_global_norm", "chained_after_adam", "MultiSteps",
-        "apply_if_finite", "normalize_by_update_norm", "mask_tree"])
+        "apply_if_finite", "normalize_by_update_norm", "mask_tree",
+        "state_coupling"])
 def test_whole_tree_transformations_are_rejected_by_name(tx, culprit):
   with pytest.raises(ValueError, match=f"immgrad.shim\\({culprit}\\).*"
                      "does not act on each parameter separately"):

@@ -368,16 +368,44 @@ def test_remat_equals_no_remat_and_updates_once(mode):
   oracles.assert_runs_close(got, expected, atol=0, rtol=0)
 
 
-def test_hk_vmap_around_an_immediate_module_is_an_error():
+def _per_example_mlp(x):
+  """hk.nets.MLP written per example, under hk.vmap over the batch."""
+  return hk.vmap(lambda row: hk.nets.MLP([16, 16, 3])(row),
+                 split_rng=False)(x)
+
+
+@pytest.mark.parametrize("mode", ["current", "updated"])
+def test_hk_vmap_around_immediate_modules_steps_once_on_the_batch(mode):
+  """Plain Haiku's training (current), the batch's re-linearization."""
+  model = _without_rng(immgrad.haiku.immediate(_per_example_mlp))
+  data = oracles.batches(jax.random.PRNGKey(1), STEPS, (8, 5), (8, 3))
+  params = model.init(jax.random.PRNGKey(0), data[0][0])
+  opt = optax.adam(1e-2)
+  if mode == "current":
+    expected = oracles.plain_steps(
+        _mse_loss(_without_rng(_per_example_mlp)), opt, params, data)
+  else:
+    names = tuple(f"mlp/~/linear_{i}" for i in range(3))
+    chain = oracles.Chain((oracles.dense,) * 3, names,
+                          (jax.nn.relu, jax.nn.relu, oracles.identity),
+                          oracles.mse)
+    expected = oracles.sequential_steps(chain, opt, params, data)
+  got = oracles.immediate_steps(_mse_loss(model), opt, params, data,
+                                mode=mode)
+  oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
+
+
+def test_hk_scan_around_an_immediate_module_is_still_an_error():
   def forward(x):
-    return hk.vmap(lambda row: hk.Linear(3)(row), split_rng=False)(x)
+    linear = hk.Linear(5)
+    return hk.scan(lambda h, _: (linear(h), None), x, None, length=2)[0]
 
   model = _without_rng(immgrad.haiku.immediate(forward))
-  x, y = jnp.ones((4, 5)), jnp.zeros((4, 3))
+  x, y = jnp.ones((4, 5)), jnp.zeros((4, 5))
   params = model.init(jax.random.PRNGKey(0), x)
   tx = immgrad.shim(optax.sgd(0.1))
   step = immgrad.value_and_grad(_mse_loss(model), tx)
-  with pytest.raises(ValueError, match="'linear'.*hk.vmap.*once per example"):
+  with pytest.raises(ValueError, match="'linear'.*inside a transformation"):
     step(params, tx.init(params), x, y)
 
 

@@ -9,11 +9,13 @@ its weights up here by object identity and routes the weight channel and
 the state, not the values the loss saw, through its ``custom_vjp``.
 
 Identity is only meaningful in the trace that created the values. Inside
-``lax.scan``, ``lax.cond``, ``jax.checkpoint``, ``vmap`` or an inner ``jit``
-a layer either sees fresh tracers (not found here) or closed-over ones whose
+``lax.scan``, ``lax.cond``, ``jax.checkpoint`` or an inner ``jit`` a
+layer either sees fresh tracers (not found here) or closed-over ones whose
 backward rule JAX may run zero or many times per step (a scan body runs it
 once per iteration, and each would step the weights). Both raise a clear
 error instead: a :class:`Step` answers only in the trace it was opened in.
+(``jax.vmap`` is the exception: ``layer.py`` lifts a vmapped layer back to
+the step's trace, one layer on the whole batch.)
 See ``docs/design.md`` for the reasoning and what stacked layers need.
 """
 
@@ -34,20 +36,22 @@ _NOT_A_PARAMETER = (
     "tree and the layer (a cast belongs inside the layer: "
     "immediate_layer(compute_dtype=...); a Haiku custom getter that casts "
     "parameters makes such a copy too), and no JAX or Haiku transformation "
-    "that hands the layer a copy (vmap, jit, cond, a loop; hk.vmap, hk.jit, "
-    "hk.cond, ...). Stacked layers: immgrad.scan (in Haiku, hk.layer_stack "
+    "that hands the layer a copy (jit, cond, a loop, or vmap with the "
+    "parameters mapped; hk.jit, hk.cond, ...). Stacked layers: immgrad.scan (in Haiku, hk.layer_stack "
     "inside immgrad.haiku.immediate). Rematerialisation: immgrad.checkpoint "
     "(in Haiku, hk.remat inside immgrad.haiku.immediate).")
 
 _NESTED = (
     "immediate layer {layer!r} was called on parameter {path} inside a "
     "transformation within the loss that does not pass the parameter in: "
-    "lax.scan, lax.cond/switch, a while/fori loop, vmap, an inner jit, "
-    "jax.checkpoint, or Haiku's hk.scan, hk.cond, hk.switch, hk.vmap, "
-    "hk.jit, hk.fori_loop. Its weight update must run exactly once per "
-    "step, which JAX does not promise there: a loop body runs it once per "
-    "iteration and a vmapped one once per example, each stepping the "
-    "weights again; a branch may not run it at all. Call the layer at "
+    "lax.scan, lax.cond/switch, a while/fori loop, an inner jit, "
+    "jax.checkpoint, a vmap that maps none of the layer's inputs, or "
+    "Haiku's hk.scan, hk.cond, hk.switch, hk.jit, hk.fori_loop. Its weight "
+    "update must run exactly once per step, which JAX does not promise "
+    "there: a loop body runs it once per iteration, each stepping the "
+    "weights again; a branch may not run it at all. (Under jax.vmap or "
+    "hk.vmap a layer whose input is mapped is fine: one step on the whole "
+    "batch.) Call the layer at "
     "the top level of the loss. Stacked layers: pass the stacked "
     "parameters as xs of immgrad.scan (in Haiku, hk.layer_stack inside "
     "immgrad.haiku.immediate, or immgrad.haiku.layer_stack). "

@@ -21,6 +21,11 @@ step, by running the same optimizer on the same ``dW``, state and weights
 (``commit.py``, which says when the two can differ in the last bit). So an
 all-or-nothing step needs no second copy of the weights and state.
 
+Under ``jax.vmap`` (and ``hk.vmap``, ``eqx.filter_vmap``) inside the loss,
+with the parameters closed over or unmapped (``in_axes=None``), the layer is
+one immediate layer on ``vmap(fun)`` and the whole batch: one step on the
+whole batch's gradient, as plain training takes (see ``_vmapped``).
+
 Outside ``immgrad.value_and_grad`` the decorated function is ``fun`` itself.
 """
 
@@ -29,11 +34,13 @@ import inspect
 from typing import Any, Callable, Optional
 
 import jax
+from jax import custom_batching
 import jax.numpy as jnp
 
 from immgrad._src import axes
 from immgrad._src import context
 from immgrad._src import commit
+from immgrad._src.compat import get_opaque_trace_state
 
 
 def immediate_layer(fun: Optional[Callable[[Any, Any], Any]] = None, *,
@@ -62,7 +69,9 @@ def immediate_layer(fun: Optional[Callable[[Any, Any], Any]] = None, *,
   Returns:
     A function with ``fun``'s signature. Outside ``immgrad.value_and_grad``
     it is ``fun``: same values, ordinary gradients. Inside, its backward rule
-    updates ``params`` in place of returning their gradient.
+    updates ``params`` in place of returning their gradient. Called under
+    ``jax.vmap`` with unmapped parameters (closed over, ``in_axes=None``),
+    it steps them once, on the gradient of the whole batch.
 
   Example:
     >>> import jax.numpy as jnp
@@ -91,13 +100,86 @@ def immediate_layer(fun: Optional[Callable[[Any, Any], Any]] = None, *,
 
   @functools.wraps(fun)
   def layer(x, params):
-    step = context.current()
-    if step is None:
-      return compute(x, params)
-    slots = step.claim(layer_name, params)
-    return _immediate(compute, step, slots, jax.tree.structure(params), x)
+    return _call(compute, layer_name, x, params)
 
   return layer
+
+
+def _call(fun, layer_name: str, x, params):
+  """``fun(x, params)``: immediate inside a step, under ``vmap`` batched."""
+  step = context.current()
+  if step is None:
+    return fun(x, params)
+  # pylint: disable-next=protected-access
+  if (get_opaque_trace_state() != step._trace and
+      _batched_somewhere((x, params))):
+    return _vmapped(fun, layer_name, x, params)
+  # In another trace but not under vmap (a loop, a branch, an inner jit),
+  # the claim raises and says why.
+  slots = step.claim(layer_name, params)
+  return _immediate(fun, step, slots, jax.tree.structure(params), x)
+
+
+_BATCHED_PARAMS = (
+    "immediate layer {layer!r} got parameters mapped by jax.vmap (hk.vmap, "
+    "eqx.filter_vmap): per-example or stacked weights, which would need one "
+    "step per example. A vmapped layer steps its weights once, on the "
+    "whole batch's gradient: close over the parameters, or pass them with "
+    "in_axes=None. For stacked layers use immgrad.scan.")
+
+
+def _vmapped(fun, layer_name: str, x, params):
+  """The layer under ``jax.vmap``: one immediate layer on the whole batch.
+
+  A ``custom_vmap`` whose rule JAX runs in the enclosing trace: there the
+  rule calls the layer again, on ``vmap(fun)``, the batched ``x`` and the
+  unbatched parameters, the very objects the loss passed in, so the claim
+  finds them. Nested vmaps recurse, one level per rule, down to the trace
+  of the step, where one backward rule sees the whole batch's ``dy``.
+  """
+
+  @custom_batching.custom_vmap
+  def call(x, params):
+    return fun(x, params)  # Traced for its shapes only; the rule replaces it.
+
+  @call.def_vmap
+  def rule(axis_size, in_batched, x, params):
+    x_batched, params_batched = in_batched
+    if any(jax.tree.leaves(params_batched)):
+      raise ValueError(_BATCHED_PARAMS.format(layer=layer_name))
+    x_axes = jax.tree.map(lambda b: 0 if b else None, x_batched)
+    batched = jax.vmap(fun, in_axes=(x_axes, None), axis_size=axis_size)
+    y = _call(batched, layer_name, x, params)
+    return y, jax.tree.map(lambda _: True, y)
+
+  return call(x, params)
+
+
+def _batched_somewhere(x) -> bool:
+  """Whether a leaf of ``x`` is mapped by a ``vmap`` around this call.
+
+  A ``custom_vmap`` probe on ``stop_gradient(x)`` whose rule only records
+  that it ran: JAX runs it if, and only if, some enclosing vmap maps a leaf
+  of ``x`` (here the layer's input and parameters: mapped parameters are
+  refused by the layer's rule). (Unmapped, it is bound to the enclosing trace; ``stop_gradient``
+  keeps it out of the differentiation, which ``custom_vmap`` cannot do.)
+  The record is local to this call, so threads never see each other's.
+  """
+  ran = []
+
+  @custom_batching.custom_vmap
+  def probe(x):
+    del x
+    return jnp.zeros((), jnp.int32)
+
+  @probe.def_vmap
+  def rule(axis_size, in_batched, x):
+    del axis_size, in_batched, x
+    ran.append(True)
+    return jnp.zeros((), jnp.int32), False
+
+  probe(jax.lax.stop_gradient(x))
+  return bool(ran)
 
 
 def _in_dtype(fun: Callable, dtype: Any) -> Callable:
