@@ -1,0 +1,25 @@
+"""Equinox integration: unmodified Equinox models made immediate.
+
+* ``immediate(fn, modules=...)``: every call of Equinox's weight-carrying
+  modules (``eqx.nn.Linear``, ``eqx.nn.Conv*``, ``eqx.nn.LayerNorm``,
+  ``eqx.nn.RMSNorm``, ``eqx.nn.Embedding``) inside ``fn`` becomes an
+  immediate layer; the params tree stays Equinox's own
+  (``eqx.partition(model, eqx.is_inexact_array)``).
+
+Needs Equinox: ``pip install "immgrad[equinox]"``.
+"""
+
+try:
+  import equinox as _equinox  # pylint: disable=unused-import
+except ImportError as e:
+  raise ImportError(
+      'immgrad.equinox needs Equinox: pip install "immgrad[equinox]"') from e
+
+# pylint: disable=g-import-not-at-top,g-bad-import-order
+from immgrad._src.equinox_immediate import DEFAULT_MODULES as DEFAULT_MODULES
+from immgrad._src.equinox_immediate import immediate as immediate
+
+__all__ = (
+    "DEFAULT_MODULES",
+    "immediate",
+)
