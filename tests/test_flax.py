@@ -21,6 +21,13 @@ import subprocess
 import sys
 import threading
 
+import pytest
+
+pytest.importorskip(
+    "flax", reason="immgrad.flax needs the flax extra "
+    "(flax 0.12.8 needs jax >= 0.10)")
+# pylint: disable=g-import-not-at-top,wrong-import-position
+
 import chex
 from flax import linen as nn
 from flax import nnx
@@ -28,7 +35,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import pytest
 
 import immgrad
 import immgrad.flax
