@@ -206,6 +206,19 @@ class NnxLM(nnx.Module):
     return self.head(self.ln(h))
 
 
+def _tx_and_grad_fn(loss_fn, opt, immediate, mode):
+  """The optimizer and ``grad_fn(params, opt_state, *args)``: immgrad's or
+  plain JAX's (which ignores ``opt_state``), for a loss with aux."""
+  if immediate:
+    # atomic=False: the non-finite check would only slow compilation here
+    # (2-4x; these steps are finite), and it is tested in test_atomic.py.
+    tx = immgrad.shim(opt, atomic=False)
+    return tx, immgrad.value_and_grad(immgrad.flax.immediate(loss_fn), tx,
+                                      mode=mode, has_aux=True)
+  plain = jax.value_and_grad(loss_fn, has_aux=True)
+  return opt, lambda p, s, *args: plain(p, *args)
+
+
 def _nnx_run(model, opt, data, immediate, mode="current"):
   """Trains ``model``'s params (and its BatchStat and rng state)."""
   model.train()  # Dropout on, BatchNorm's batch statistics.
@@ -216,16 +229,7 @@ def _nnx_run(model, opt, data, immediate, mode="current"):
     loss = optax.softmax_cross_entropy_with_integer_labels(model(x), labels)
     return loss.mean(), nnx.state(model, nnx.Not(nnx.Param))
 
-  if immediate:
-    # atomic=False: the non-finite check would only slow compilation here
-    # (2-4x; these steps are finite), and it is tested in test_atomic.py.
-    tx = immgrad.shim(opt, atomic=False)
-    grad_fn = immgrad.value_and_grad(immgrad.flax.immediate(loss_fn), tx,
-                                     mode=mode, has_aux=True)
-  else:
-    tx = opt
-    plain = jax.value_and_grad(loss_fn, has_aux=True)
-    grad_fn = lambda p, s, *args: plain(p, *args)
+  tx, grad_fn = _tx_and_grad_fn(loss_fn, opt, immediate, mode)
 
   @jax.jit
   def step(params, state, rest, *batch):
@@ -342,16 +346,7 @@ def _linen_run(model, variables, opt, data, immediate, mode="current"):
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
     return loss.mean(), state
 
-  if immediate:
-    # atomic=False: the non-finite check would only slow compilation here
-    # (2-4x; these steps are finite), and it is tested in test_atomic.py.
-    tx = immgrad.shim(opt, atomic=False)
-    grad_fn = immgrad.value_and_grad(immgrad.flax.immediate(loss_fn), tx,
-                                     mode=mode, has_aux=True)
-  else:
-    tx = opt
-    plain = jax.value_and_grad(loss_fn, has_aux=True)
-    grad_fn = lambda p, s, *args: plain(p, *args)
+  tx, grad_fn = _tx_and_grad_fn(loss_fn, opt, immediate, mode)
 
   @jax.jit
   def step(params, opt_state, state, *batch):

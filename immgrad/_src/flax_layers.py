@@ -116,12 +116,7 @@ def nnx_linear_general(module: nnx.LinearGeneral, original, inputs,
   n_batch, n_axis = len(batch_axis), len(axis)
   expanded_batch_shape = tuple(inputs.shape[a] if a in batch_axis else 1
                                for a in range(ndim) if a not in axis)
-  if module.dot_general_cls is not None:
-    dot_general = module.dot_general_cls()
-  elif module.dot_general is not None:
-    dot_general = module.dot_general
-  else:
-    dot_general = lax.dot_general
+  dot_general = _operation(module, "dot_general", lax.dot_general)
   numbers = ((axis, tuple(range(n_batch, n_batch + n_axis))),
              (batch_axis, tuple(range(n_batch))))
   kwargs = _nnx_dot_kwargs(module, out_sharding)
@@ -395,12 +390,14 @@ def _linen_params(module: nn.Module, *names):
   return params, unbox
 
 
-def _linen_dot_general(module):
-  if module.dot_general_cls is not None:
-    return module.dot_general_cls()
-  if module.dot_general is not None:
-    return module.dot_general
-  return lax.dot_general
+def _operation(module, name: str, default):
+  """The module's ``name`` operation: its ``name_cls()``, its ``name``, or
+  ``default``, in the order Flax's modules choose."""
+  if getattr(module, f"{name}_cls") is not None:
+    return getattr(module, f"{name}_cls")()
+  if getattr(module, name) is not None:
+    return getattr(module, name)
+  return default
 
 
 def linen_dense(module: nn.Dense, original, inputs):
@@ -409,7 +406,7 @@ def linen_dense(module: nn.Dense, original, inputs):
                                 *(("bias",) if module.use_bias else ()))
   if params is None:
     return original(inputs)
-  dot_general = _linen_dot_general(module)
+  dot_general = _operation(module, "dot_general", lax.dot_general)
 
   def affine(x, p):
     p = unbox(p)
@@ -438,7 +435,7 @@ def linen_dense_general(module: nn.DenseGeneral, original, inputs):
                                for a in range(ndim) if a not in axis)
   numbers = ((axis, tuple(range(n_batch, n_batch + n_axis))),
              (batch_dims, tuple(range(n_batch))))
-  dot_general = _linen_dot_general(module)
+  dot_general = _operation(module, "dot_general", lax.dot_general)
 
   def affine(x, p):
     p = unbox(p)
@@ -456,12 +453,8 @@ def linen_conv(module: nn.Conv, original, inputs):
                                 *(("bias",) if module.use_bias else ()))
   if params is None:
     return original(inputs)
-  if module.conv_general_dilated_cls is not None:
-    conv_fn = module.conv_general_dilated_cls()
-  elif module.conv_general_dilated is not None:
-    conv_fn = module.conv_general_dilated
-  else:
-    conv_fn = lax.conv_general_dilated
+  conv_fn = _operation(module, "conv_general_dilated",
+                       lax.conv_general_dilated)
 
   def promote(*args):
     return module.promote_dtype(*args, dtype=module.dtype)
