@@ -110,8 +110,17 @@ def immediate_steps(loss_fn, opt, params, batches, **kwargs):
   return history, losses
 
 
-def sequential_steps(chain: Chain, opt, params, batches):
-  """The hand-written re-linearization reference for ``mode="updated"``."""
+def sequential_steps(chain: Chain, opt, params, batches, at=1.0,
+                     measure=False):
+  """The hand-written re-linearization reference for ``mode="updated"``.
+
+  With ``at``, dX is taken at ``W + at * (W_new - W)`` (``mode=at``). With
+  ``measure``, also returns, per step, each layer's
+  ``|dX(W_new) - dX(W)| / |dX(W)|`` on the ``dz`` it received.
+  """
+
+  def norm(tree):
+    return jnp.sqrt(sum(jnp.sum(a ** 2) for a in jax.tree.leaves(tree)))
 
   @jax.jit
   def step(params, states, x, y):
@@ -124,7 +133,7 @@ def sequential_steps(chain: Chain, opt, params, batches):
       h = act(z)
     loss, loss_vjp = jax.vjp(lambda out: chain.loss(out, y), h)
     (dh,) = loss_vjp(jnp.ones_like(loss))
-    new_params, new_states = dict(params), dict(states)
+    new_params, new_states, changes = dict(params), dict(states), {}
     for i in reversed(range(len(chain.layers))):
       fun, name, act = chain.layers[i], chain.names[i], chain.acts[i]
       _, act_vjp = jax.vjp(act, pre[i])
@@ -133,16 +142,21 @@ def sequential_steps(chain: Chain, opt, params, batches):
       (dw,) = w_vjp(dz)
       updates, new_states[name] = opt.update(dw, states[name], params[name])
       new_params[name] = optax.apply_updates(params[name], updates)
-      _, x_vjp = jax.vjp(lambda x: fun(x, new_params[name]), inputs[i])
-      (dh,) = x_vjp(dz)
-    return new_params, new_states, loss
+      dx_at = lambda w: jax.vjp(lambda x: fun(x, w), inputs[i])[1](dz)[0]
+      old, new = params[name], new_params[name]
+      dh = dx_at(jax.tree.map(lambda o, n: o + at * (n - o), old, new))
+      changes[name] = norm(dx_at(new) - dx_at(old)) / norm(dx_at(old))
+    return new_params, new_states, loss, changes
 
   states = {name: opt.init(params[name]) for name in chain.names}
-  history, losses = [], []
+  history, losses, measured = [], [], []
   for x, y in batches:
-    params, states, loss = step(params, states, x, y)
+    params, states, loss, changes = step(params, states, x, y)
     history.append(params)
     losses.append(loss)
+    measured.append(changes)
+  if measure:
+    return history, losses, measured
   return history, losses
 
 

@@ -73,6 +73,9 @@ class Slot:
   view: jax.Array  # What the loss sees; kept alive so its id stays unique.
   weight: jax.Array  # The channel whose cotangent carries the gradient.
   state: Any  # The leaf's optimizer state, read by its layer.
+  # Measuring dX's change (``measure_dx``): a float32 zero shaped like the
+  # weight, whose cotangent carries its layer's measurement; else None.
+  probe: Optional[jax.Array] = None
   layer: Optional[str] = None  # The immediate layer call that claimed it.
   stepped: bool = False  # That layer's backward rule ran.
   ordinary: bool = False  # An ordinary use sent back a nonzero cotangent.
@@ -124,10 +127,12 @@ class Slot:
 class Step:
   """The parameters of one ``value_and_grad`` step, by object identity."""
 
-  def __init__(self, tx, mode: str, axis_name, atomic: bool, flag: jax.Array,
+  def __init__(self, tx, dx_at: float, axis_name, atomic: bool,
+               flag: jax.Array, measure_dx: bool = False,
                parent: Optional["Step"] = None):
     self.tx = tx
-    self.mode = mode
+    self.dx_at = dx_at  # dX at W + dx_at * (W_new - W).
+    self.measure_dx = measure_dx  # Layers report |dX_new - dX| / |dX|.
     self.axis_name = axis_name
     self.atomic = atomic  # Layers report whether their step was finite,
     self.flag = flag  # through this scalar's (summed) cotangent.
@@ -163,8 +168,8 @@ class Step:
 
   def nested(self) -> "Step":
     """A step for the body of a transformation traced inside this one."""
-    return Step(self.tx, self.mode, self.axis_name, self.atomic, self.flag,
-                parent=self)
+    return Step(self.tx, self.dx_at, self.axis_name, self.atomic, self.flag,
+                self.measure_dx, parent=self)
 
   def claim(self, layer: str, params: Any) -> list[Slot]:
     """Returns the slots of ``params``'s leaves, now owned by ``layer``."""

@@ -21,6 +21,8 @@ both immediate and ordinary is an error: its layer would step it from part
 of its gradient.
 """
 
+import math
+import numbers
 from typing import Any, Callable
 
 import jax
@@ -31,7 +33,7 @@ from immgrad._src import axes
 from immgrad._src import context
 from immgrad._src import shim as shim_lib
 
-_MODES = ("updated", "current")
+_MODES = {"current": 0.0, "updated": 1.0}
 
 _MIXED = (
     "parameter {path} is used by immediate layer {layer!r} and also by an "
@@ -42,8 +44,9 @@ _MIXED = (
 
 
 def value_and_grad(fun: Callable[..., Any], tx: optax.GradientTransformation,
-                   *, mode: str = "updated", axis_name=None,
-                   has_aux: bool = False) -> Callable[..., Any]:
+                   *, mode: str | float = "updated", axis_name=None,
+                   has_aux: bool = False,
+                   measure_dx: bool = False) -> Callable[..., Any]:
   """Makes a training step in which immediate layers update during backprop.
 
   Args:
@@ -53,11 +56,19 @@ def value_and_grad(fun: Callable[..., Any], tx: optax.GradientTransformation,
       immediate layers, its ``update`` the rest.
     mode: ``"updated"`` computes each immediate layer's input gradient from
       its new weights; ``"current"`` from the old ones, which reproduces
-      ordinary training.
+      ordinary training. A number ``a`` computes it at
+      ``W + a * (W_new - W)``: ``0`` is ``"current"``, ``1`` is
+      ``"updated"`` (bit for bit), and any other real number, negative or
+      above 1, interpolates or extrapolates.
     axis_name: a ``pmap``/``shard_map`` axis (or tuple of axes) to average
       every gradient over before it is used, immediate or ordinary. Leave it
       None under plain ``jit`` over a sharded batch: XLA reduces there.
     has_aux: whether ``fun`` returns ``(loss, aux)``.
+    measure_dx: also measure, in each immediate layer's backward rule, how
+      much the update changes the gradient it sends on:
+      ``|dX_updated - dX_current| / |dX_current|`` (norms over the whole
+      input and batch, replicas included), whatever ``mode`` uses. Costs
+      one more input-gradient product per layer, only when asked.
 
   Returns:
     ``step(params, opt_state, *args) -> (loss, grads)`` (or
@@ -66,6 +77,11 @@ def value_and_grad(fun: Callable[..., Any], tx: optax.GradientTransformation,
     :class:`ImmediateGrad` (its gradient, which the layer already stepped
     with in the backward pass), for every other used parameter its
     gradient, and for an unused one a :class:`Stepped` that keeps it.
+    With ``measure_dx``, ``step`` returns ``(loss, grads, dx_change)``:
+    ``dx_change`` is shaped like ``params``, each leaf of an immediate
+    layer holding that layer's measurement (a float32 scalar; for a
+    stacked parameter of ``immgrad.scan`` one per layer, shape
+    ``leaf.shape[:1]``) and every other leaf None.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax
@@ -91,10 +107,7 @@ def value_and_grad(fun: Callable[..., Any], tx: optax.GradientTransformation,
     2.0753
     1.9114
   """
-  if mode not in _MODES:
-    raise ValueError(
-        f"immgrad.value_and_grad: mode must be one of {_MODES}, got "
-        f"{mode!r}.")
+  dx_at = _dx_at(mode)
   if not isinstance(tx, shim_lib.ShimTransformation):
     raise TypeError(
         "immgrad.value_and_grad: tx must be the optimizer from "
@@ -114,12 +127,14 @@ def value_and_grad(fun: Callable[..., Any], tx: optax.GradientTransformation,
     _check_states(tx.inner, paths, leaves, states)
     run = None
 
-    def loss(views, weights, flag):
+    def loss(views, weights, flag, probes):
       nonlocal run
-      run = context.Step(tx.inner, mode, axis_name, tx.atomic, flag)
+      run = context.Step(tx.inner, dx_at, axis_name, tx.atomic, flag,
+                         measure_dx)
       for i, view in enumerate(views):
         slot = context.Slot(path=paths[i], view=None, weight=weights[i],
-                            state=states[i])
+                            state=states[i],
+                            probe=probes[i] if measure_dx else None)
         views[i] = slot.watch(view)
         run.add(slot)
       with context.opened(run):
@@ -127,9 +142,12 @@ def value_and_grad(fun: Callable[..., Any], tx: optax.GradientTransformation,
       _check_loss(fun, out, has_aux)
       return out
 
+    probes = ([jnp.zeros(jnp.shape(leaf), jnp.float32) for leaf in leaves]
+              if measure_dx else None)
     value, backward, *aux = jax.vjp(
-        loss, leaves, leaves, jnp.zeros((), jnp.float32), has_aux=has_aux)
-    cts, dws, nonfinite = backward(jnp.ones_like(value))
+        loss, leaves, leaves, jnp.zeros((), jnp.float32), probes,
+        has_aux=has_aux)
+    cts, dws, nonfinite, changes = backward(jnp.ones_like(value))
     grads = []
     for i, slot in enumerate(run.slots):
       if slot.layer is not None and slot.ordinary:
@@ -142,11 +160,33 @@ def value_and_grad(fun: Callable[..., Any], tx: optax.GradientTransformation,
       else:  # Untouched this step: keep its weights and state.
         grads.append(shim_lib.Stepped(leaves[i], states[i]))
     grads = treedef.unflatten(grads)
-    if has_aux:
-      return (value, aux[0]), grads
+    value = (value, aux[0]) if has_aux else value
+    if measure_dx:
+      return value, grads, treedef.unflatten(
+          [_measured(change, slot) for change, slot in zip(changes, run.slots)])
     return value, grads
 
   return step
+
+
+def _dx_at(mode) -> float:
+  """``mode`` as the fraction of the update that dX sees."""
+  if isinstance(mode, str) and mode in _MODES:
+    return _MODES[mode]
+  if (isinstance(mode, numbers.Real) and not isinstance(mode, bool) and
+      math.isfinite(mode)):
+    return float(mode)
+  raise ValueError(
+      f"immgrad.value_and_grad: mode must be \"current\", \"updated\" or a "
+      f"finite real number a (dX at W + a * (W_new - W)), got {mode!r}.")
+
+
+def _measured(change, slot):
+  """A leaf's dX measurement from its probe's cotangent, or None."""
+  if slot.layer is None or not slot.stepped:
+    return None
+  first = (slice(None),) * slot.layer_axes
+  return change[first + (0,) * (change.ndim - slot.layer_axes)]
 
 
 def _check_loss(fun, out, has_aux):

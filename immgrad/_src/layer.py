@@ -10,7 +10,10 @@ Inside ``immgrad.value_and_grad`` a decorated ``fun(x, params)`` becomes a
    layer's new weights (``mode="updated"``) and, for atomic steps, whether
    every new weight and state is finite;
 4. computes ``dX`` at the old weights (``mode="current"``, exactly ordinary
-   backprop) or at the new ones (``mode="updated"``);
+   backprop), at the new ones (``mode="updated"``), or at
+   ``W + a * (W_new - W)`` (``mode=a``), and with ``measure_dx`` how far the
+   update moves it, ``|dX(W_new) - dX(W)| / |dX(W)|``, returned through the
+   cotangent of the leaf's probe;
 5. returns ``dX``, ``dW`` through the cotangent slot of the hidden weight
    channel (see ``context.py``), and 1 if the step was not finite (else 0)
    through the step's flag, whose cotangent JAX sums over all layers.
@@ -210,44 +213,77 @@ def _check_signature(fun: Callable, layer_name: str) -> None:
 def _immediate(fun, step: context.Step, slots, treedef, x):
   """Calls ``fun`` through a custom_vjp that steps ``slots`` in its bwd."""
   axis_name = step.axis_name
+  at = step.dx_at  # dX at W + at * (W_new - W): 0 "current", 1 "updated".
+  wrt_x = at == 0 or step.measure_dx  # dX at the old weights is needed.
 
   def bound(weights):
     return axes.local(treedef.unflatten(weights), axis_name)
 
   @jax.custom_vjp
-  def core(x, weights, states, flag):
-    del states, flag
+  def core(x, weights, states, flag, probes):
+    del states, flag, probes
     return fun(x, treedef.unflatten(weights))
 
-  def fwd(x, weights, states, flag):
-    del flag
-    if step.mode == "current":
+  def fwd(x, weights, states, flag, probes):
+    del flag, probes
+    if wrt_x:
       y, vjp = jax.vjp(fun, x, bound(weights))
     else:
       y, vjp = jax.vjp(lambda w: fun(x, w), bound(weights))
     return y, (vjp, x, weights, states)
 
+  def dx_from(x, weights, dy):
+    _, vjp_x = jax.vjp(lambda x: fun(x, treedef.unflatten(weights)), x)
+    return vjp_x(dy)[0]
+
   def bwd(residuals, dy):
     vjp, x, weights, states = residuals
-    if step.mode == "current":
-      dx, dw = vjp(dy)
+    if wrt_x:
+      dx_current, dw = vjp(dy)
     else:
       (dw,) = vjp(dy)
     dw = axes.mean(jax.tree.leaves(dw), axis_name)
     nonfinite = jnp.zeros((), jnp.float32)
-    if step.mode == "updated" or step.atomic:
+    dx, probes = dx_current if at == 0 else None, None
+    if at != 0 or step.atomic or step.measure_dx:
       stepped = [commit.step_parameter(step.tx, g, s, w)
                  for g, s, w in zip(dw, states, weights)]
+      new = [w for w, _ in stepped]
       if step.atomic:
         nonfinite = jnp.where(commit.all_finite((dw, stepped)), 0.0, 1.0)
-      if step.mode == "updated":
-        new = treedef.unflatten([w for w, _ in stepped])
-        _, vjp_x = jax.vjp(lambda x: fun(x, new), x)
-        (dx,) = vjp_x(dy)
+      if at == 1 or step.measure_dx:
+        dx_updated = dx_from(x, new, dy)
+      if at == 1:
+        dx = dx_updated
+      elif at != 0:
+        dx = dx_from(x, [w + jnp.asarray(at, w.dtype) * (n - w)
+                    for w, n in zip(weights, new)], dy)
+      if step.measure_dx:
+        change = _relative_change(dx_updated, dx_current, axis_name)
+        probes = [_at_first(jnp.zeros_like(w, jnp.float32), change)
+                  for w in weights]
     for slot in slots:
       slot.mark_stepped()
-    return dx, dw, None, nonfinite
+    return dx, dw, None, nonfinite, probes
 
   core.defvjp(fwd, bwd)
   return core(x, [s.weight for s in slots], [s.state for s in slots],
-              step.flag)
+              step.flag, [s.probe for s in slots] if step.measure_dx else None)
+
+
+def _relative_change(dx_updated, dx_current, axis_name) -> jax.Array:
+  """``|dx_updated - dx_current| / |dx_current|`` over all leaves and replicas.
+
+  Squared norms are averaged over ``axis_name``: the ratio is the one of the
+  whole batch's dX, not of one replica's share.
+  """
+  squares = lambda tree: sum(jnp.sum(jnp.square(a.astype(jnp.float32)))
+                             for a in jax.tree.leaves(tree))
+  diff = jax.tree.map(lambda u, c: u - c, dx_updated, dx_current)
+  num, den = axes.mean([squares(diff), squares(dx_current)], axis_name)
+  return jnp.sqrt(num / den)
+
+
+def _at_first(zeros: jax.Array, value: jax.Array) -> jax.Array:
+  """``zeros`` with ``value`` in its first element: a layer's probe cotangent."""
+  return zeros.at[(0,) * zeros.ndim].set(value)

@@ -4,10 +4,10 @@
 arguments, so an immediate layer inside cannot find its parameter (and one
 closed over would be refused, see ``context.py``). ``immgrad.checkpoint``
 has ``jax.checkpoint``'s signature; for every argument leaf that is a
-parameter of the current step it passes the leaf's hidden weight channel
-and optimizer state (and the step's finiteness flag) in as extra arguments
-and, inside, registers the fresh tracers as that step's parameters. Rematerialisation re-runs the
-forward pass only: a layer's forward rule saves what its backward rule
+parameter of the current step it passes the leaf's hidden weight channel,
+optimizer state and dX probe (and the step's finiteness flag) in as extra
+arguments and, inside, registers the fresh tracers as that step's
+parameters. Rematerialisation re-runs the forward pass only: a layer's forward rule saves what its backward rule
 needs, and the backward rule, where the update happens, runs once per step.
 """
 
@@ -77,16 +77,16 @@ def checkpoint(fun: Callable, *, prevent_cse=True, policy=None,
       nested = step.nested()
       nested.flag = flag
       views = jax.tree.leaves((args, call_kwargs))
-      for (i, slot), (weight, state) in zip(found, channels):
+      for (i, slot), (weight, state, probe) in zip(found, channels):
         nested.add(context.Slot(
             path=slot.path, view=views[i], weight=weight, state=state,
-            parent=slot, origin=origin))
+            probe=probe, parent=slot, origin=origin))
       with context.opened(nested):
         return fun(*args, **call_kwargs, **static)
 
     # The channels and the flag come first: static positions move up by two.
     shifted = tuple((i % len(args)) + 2 for i in static_argnums)
-    channels = [(slot.weight, slot.state) for _, slot in found]
+    channels = [(slot.weight, slot.state, slot.probe) for _, slot in found]
     return jax.checkpoint(inner, static_argnums=shifted, **options)(
         channels, step.flag, *args, **call_kwargs)
 

@@ -84,7 +84,8 @@ def scan(f: Callable, init: Any, xs: Any = None, length=None,
     state = [a if axis == 0 else jnp.broadcast_to(a, (layers,) + a.shape)
              for a, axis in zip(state, jax.tree.leaves(
                  split, is_leaf=lambda a: a is None))]
-    channels.append([slot.weight] + state)
+    probe = [slot.probe] if step.measure_dx else []
+    channels.append([slot.weight] + probe + state)
     states.append(state_def)
   # The loop scans the leaves of xs, then each stacked parameter's channels.
   starts = np.cumsum([len(leaves)] + [len(c) for c in channels]).tolist()
@@ -97,10 +98,11 @@ def scan(f: Callable, init: Any, xs: Any = None, length=None,
     for (i, slot), start, c, state_def in zip(stacked, starts, channels,
                                               states):
       weight, *state = scanned[start:start + len(c)]
+      probe = state.pop(0) if step.measure_dx else None
       inner_slot = context.Slot(
           path=f"{slot.path} (one layer of immgrad.scan)", view=None,
-          weight=weight, state=state_def.unflatten(state), parent=slot,
-          origin=origin, sliced=True)
+          weight=weight, state=state_def.unflatten(state), probe=probe,
+          parent=slot, origin=origin, sliced=True)
       x[i] = inner_slot.watch(x[i])
       inner.add(inner_slot)
       inner_slots.append(inner_slot)
@@ -109,11 +111,13 @@ def scan(f: Callable, init: Any, xs: Any = None, length=None,
 
   views = {i: n for n, (i, _) in enumerate(stacked)}
   weights = {start: n for n, start in enumerate(starts[:-1])}
+  if step.measure_dx:  # A probe channel follows each weight channel.
+    weights.update({start + 1: n for n, start in enumerate(starts[:-1])})
 
   def needs_cotangent(j):
     if j in views:  # A stacked parameter used by something but a layer.
       return inner_slots[views[j]].ordinary
-    if j in weights:  # A weight channel carries its layers' gradients.
+    if j in weights:  # A weight (or probe) channel carries its layers'.
       return inner_slots[weights[j]].layer is not None
     return j < len(leaves)  # The user's xs; state is not differentiated.
 
