@@ -145,7 +145,10 @@ def sequential_steps(chain: Chain, opt, params, batches, at=1.0,
       dx_at = lambda w: jax.vjp(lambda x: fun(x, w), inputs[i])[1](dz)[0]
       old, new = params[name], new_params[name]
       dh = dx_at(jax.tree.map(lambda o, n: o + at * (n - o), old, new))
-      changes[name] = norm(dx_at(new) - dx_at(old)) / norm(dx_at(old))
+      if jnp.issubdtype(inputs[i].dtype, jnp.inexact):
+        changes[name] = norm(dx_at(new) - dx_at(old)) / norm(dx_at(old))
+      else:  # integer input (token ids): no dX to change
+        changes[name] = jnp.zeros(())
     return new_params, new_states, loss, changes
 
   states = {name: opt.init(params[name]) for name in chain.names}
