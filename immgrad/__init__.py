@@ -14,6 +14,8 @@ from immgrad._src.shim import ShimState as ShimState
 from immgrad._src.shim import ShimTransformation as ShimTransformation
 from immgrad._src.shim import Stepped as Stepped
 from immgrad._src.shim import shim as shim
+from immgrad._src.shim import shim_state_from_optax as shim_state_from_optax
+from immgrad._src.shim import shim_state_to_optax as shim_state_to_optax
 
 from immgrad import haiku as haiku  # pylint: disable=g-bad-import-order
 
@@ -45,5 +47,7 @@ __all__ = (
     "save_checkpoint",
     "scan",
     "shim",
+    "shim_state_from_optax",
+    "shim_state_to_optax",
     "value_and_grad",
 )

@@ -173,7 +173,7 @@ def test_wrong_signature_is_a_type_error():
 def test_bad_arguments_are_clear_errors():
   tx = immgrad.shim(optax.sgd(0.1))
   loss_fn = lambda p, x: jnp.sum(immgrad.immediate_layer(affine)(x, p))
-  with pytest.raises(ValueError, match="mode must be one of"):
+  with pytest.raises(ValueError, match="mode must be"):
     immgrad.value_and_grad(loss_fn, tx, mode="fresh")
   with pytest.raises(TypeError, match=r"immgrad.shim\(...\)"):
     immgrad.value_and_grad(loss_fn, optax.sgd(0.1))
@@ -195,10 +195,11 @@ def test_mismatched_opt_state_is_a_clear_error():
   with pytest.raises(ValueError, match="opt_state does not match"):
     immgrad.value_and_grad(loss_fn, tx)(PARAMS, other_model, X)
   other_optimizer = immgrad.shim(optax.sgd(0.1, momentum=0.9)).init(PARAMS)
-  with pytest.raises(ValueError, match=r"parameter \['b'\] does not match"):
+  with pytest.raises(ValueError, match=r"opt_state does not match.*TraceState"):
     immgrad.value_and_grad(loss_fn, tx)(PARAMS, other_optimizer, X)
   other_shapes = tx.init({"w": jnp.ones((3, 3)), "b": jnp.ones(2)})
-  with pytest.raises(ValueError, match=r"parameter \['w'\] does not match"):
+  with pytest.raises(ValueError, match=r"leaf \[0\]\.mu\['w'\] is "
+                     r"float32\[3, 3\], where tx.init makes float32\[3, 2\]"):
     immgrad.value_and_grad(loss_fn, tx)(PARAMS, other_shapes, X)
 
 
@@ -206,16 +207,12 @@ def test_mismatched_opt_state_is_a_clear_error():
     (optax.clip_by_global_norm(1.0), "clip_by_global_norm"),
     (optax.chain(optax.adam(1e-3), optax.clip_by_global_norm(1.0)),
      "chain: clip_by_global_norm"),
-    (optax.MultiSteps(optax.adam(1e-3), 4).gradient_transformation(),
-     "MultiSteps"),
     (optax.apply_if_finite(optax.adam(1e-3), 3), "apply_if_finite"),
     (optax.normalize_by_update_norm(), "normalize_by_update_norm"),
-    (optax.adamw(1e-3, mask={"w": True}), "chain: masked"),
     # Updates per parameter, but its state keeps one estimate from all.
     (optax.contrib.dadapt_adamw(), "dadapt_adamw"),
-], ids=["clip_by_global_norm", "chained_after_adam", "MultiSteps",
-        "apply_if_finite", "normalize_by_update_norm", "mask_tree",
-        "state_coupling"])
+], ids=["clip_by_global_norm", "chained_after_adam", "apply_if_finite",
+        "normalize_by_update_norm", "state_coupling"])
 def test_whole_tree_transformations_are_rejected_by_name(tx, culprit):
   with pytest.raises(ValueError, match=f"immgrad.shim\\({culprit}\\).*"
                      "does not act on each parameter separately"):
@@ -250,7 +247,8 @@ def test_params_that_change_shape_between_steps():
   step = immgrad.value_and_grad(loss_fn, tx)
   _, grads = step(PARAMS, state, X)
   wider = {"w": jnp.ones((3, 5)), "b": jnp.ones(5)}
-  with pytest.raises(ValueError, match=r"parameter \['b'\] does not match"):
+  with pytest.raises(ValueError, match=r"leaf \[0\]\.mu\['b'\] is "
+                     r"float32\[2\], where tx.init makes float32\[5\]"):
     step(wider, state, X)
   # The step's result applied to params of another shape.
   with pytest.raises(ValueError, match=r"parameter \['b'\] is float32\[2\], "

@@ -173,3 +173,20 @@ def test_measure_dx_through_checkpoint():
   for g, e in zip(got, expected):
     for name in chain.names:
       np.testing.assert_allclose(g[name]["w"], e[name], rtol=CHANGE_RTOL)
+
+
+def test_measure_dx_of_a_layer_with_integer_input_is_zero():
+  """An embedding's token ids have no dX (float0): nothing to change."""
+  embed = immgrad.immediate_layer(lambda ids, p: p["table"][ids])
+  dense = immgrad.immediate_layer(oracles.dense)
+
+  def loss_fn(params, ids):
+    return jnp.mean(dense(embed(ids, params["embed"]), params["out"]) ** 2)
+
+  params = {"embed": {"table": jnp.linspace(-1, 1, 12).reshape(4, 3)},
+            "out": {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)}}
+  tx = immgrad.shim(optax.sgd(0.5))
+  _, _, change = immgrad.value_and_grad(loss_fn, tx, measure_dx=True)(
+      params, tx.init(params), jnp.array([0, 2, 3]))
+  assert float(change["embed"]["table"]) == 0.0
+  assert float(change["out"]["w"]) > 1e-3

@@ -171,6 +171,8 @@ def test_fsdp_sharded_stack_keeps_its_sharding():
     same = lambda a, spec=spec: a.sharding.is_equivalent_to(
         NamedSharding(mesh, spec), a.ndim)
     assert same(params["blocks"][name]), params["blocks"][name].sharding
-    moments = [leaf for leaf in jax.tree.leaves(state.inner["blocks"][name])
-               if leaf.ndim == len(spec)]
+    (adam,) = [s for s in jax.tree.leaves(
+        state.inner, is_leaf=lambda s: isinstance(s, optax.ScaleByAdamState))
+               if isinstance(s, optax.ScaleByAdamState)]
+    moments = [adam.mu["blocks"][name], adam.nu["blocks"][name]]
     assert moments and all(same(m) for m in moments), moments

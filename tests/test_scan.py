@@ -195,10 +195,12 @@ def test_checkpoint_changes_nothing_and_updates_once(mode, policy):
   got = oracles.immediate_steps(loss_fn, _counting(optax.adam(1e-2), calls),
                                 unrolled, data, mode=mode)
   jax.effects_barrier()
-  # The rule runs twice per parameter and step: in its layer's backward
-  # rule (the finiteness check, and dX in updated mode) and in the commit.
-  # A rematerialised backward rule would make it three.
-  assert len(calls) == 2 * STEPS * len(jax.tree.leaves(unrolled))
+  # The callback is in every parameter's program (plan.py keeps effects),
+  # which runs twice per step: in its layer's backward rule (the finiteness
+  # check, and dX in updated mode) and in the commit; and in the program of
+  # the shared state (the step count), once per step. A rematerialised
+  # backward rule would make the first term three.
+  assert len(calls) == (2 * len(jax.tree.leaves(unrolled)) + 1) * STEPS
   opt = optax.adam(1e-2)
   if mode == "current":
     expected = oracles.plain_steps(chain.loss_fn(), opt, unrolled, data)
@@ -362,8 +364,9 @@ def test_checkpoint_inside_scan_updates_once():
   jax.effects_barrier()
   # Two calls per parameter leaf (w and b of each layer, and the head) and
   # step: the backward rule and the commit each step every layer's slice
-  # once. A rematerialised backward rule would make it three.
-  assert len(calls) == 2 * STEPS * len(jax.tree.leaves(unrolled))
+  # once; and one for the shared step count. A rematerialised backward rule
+  # would make the first term three.
+  assert len(calls) == (2 * len(jax.tree.leaves(unrolled)) + 1) * STEPS
   oracles.assert_runs_close(got, _expected("current", optax.adam(1e-2),
                                            chain, unrolled, data),
                             atol=ATOL, rtol=RTOL)

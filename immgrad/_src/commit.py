@@ -30,32 +30,55 @@ import numpy as np
 import optax
 from jax import lax
 
+from immgrad._src import plan as plan_lib
 from immgrad._src import stacked
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def step_parameter(tx: optax.GradientTransformation, grad, state, weights):
-  """One parameter's new weights and optimizer state under ``tx``.
+def step_parameter(program: plan_lib.LeafProgram, grad, state, weights):
+  """One parameter's new weights and owned state, by its ``program``.
 
-  Jitted only so that JAX traces it once per shape: a model's many
-  parameters of one shape share the trace (XLA inlines it).
+  ``state`` holds the state leaves the program reads; the new state those
+  it writes (``plan.LeafProgram``). Jitted (the program is static) so that
+  the backward rule and the commit run one traced computation.
   """
-  updates, state = tx.update(grad, state, weights)
-  return optax.apply_updates(weights, updates), state
+  update, state = program(grad, weights, state)
+  return optax.apply_updates(weights, update), state
 
 
-def step_layers(tx, grad, state, weights, layer_axes: int, path: str):
-  """:func:`step_parameter`, one layer at a time over ``layer_axes`` axes.
+def layers(tx, params, index: int, layer_axes: int, state, shared,
+           path: str) -> list:
+  """Per layer axis of a stacked parameter: its program and state split.
+
+  ``[(program, split), ...]`` from the whole stack inwards: ``program`` is
+  the parameter's at that depth, ``split`` how the state it reads splits
+  for the next depth in (``stacked.state_axes``); the innermost has no
+  split.
+  """
+  programs = [plan_lib.make(tx, params).leaves[index]] + [
+      plan_lib.layer_program(tx, params, index, depth)
+      for depth in range(1, layer_axes + 1)]
+  out, avals = [], [jax.ShapeDtypeStruct(jnp.shape(s), jnp.result_type(s))
+                    for s in state]
+  for outer, inner in zip(programs, programs[1:]):
+    split = stacked.state_axes(outer, inner, avals, shared, path)
+    out.append((outer, split))
+    avals = [a if axis is None else jax.ShapeDtypeStruct(a.shape[1:], a.dtype)
+             for a, axis in zip(avals, split)]
+  return out + [(programs[-1], None)]
+
+
+def step_layers(levels: list, grad, state, weights):
+  """:func:`step_parameter` one layer at a time, over ``levels`` (above).
 
   A per-tensor rule (``immgrad.clip_by_layer_norm``) thus sees one layer
   of a stacked parameter, as it did in that layer's backward rule.
   """
-  if not layer_axes:
-    return step_parameter(tx, grad, state, weights)
-  split = stacked.state_axes(tx, weights, state, path)
-  return jax.vmap(
-      lambda g, s, w: step_layers(tx, g, s, w, layer_axes - 1, path),
-      in_axes=(0, split, 0), out_axes=(0, split))(grad, state, weights)
+  (program, split), rest = levels[0], levels[1:]
+  if not rest:
+    return step_parameter(program, grad, state, weights)
+  return jax.vmap(lambda g, s, w: step_layers(rest, g, s, w),
+                  in_axes=(0, split, 0), out_axes=0)(grad, state, weights)
 
 
 def landing(new: jax.Array, param: jax.Array) -> jax.Array:
@@ -67,42 +90,50 @@ def landing(new: jax.Array, param: jax.Array) -> jax.Array:
   return jnp.where(new == param, jnp.asarray(-0.0, param.dtype), new - param)
 
 
-def commit_layers(tx, grad, state, weights, ok, layer_axes: int, path: str):
-  """The update and new state of a stacked parameter, or none if not ``ok``.
+def commit_layers(levels: list, grad, state, old_writes, weights, ok):
+  """The update and new owned state of a stacked parameter, or none.
 
   A loop over the layers, each layer's step under its own ``lax.cond``:
   layer ``i``'s update is written over its gradient slice and its new state
-  over its old state slice, so no second buffer the size of the stack is
-  made. Returns what :func:`landing` and :func:`step_layers` would, or
-  ``-0.0`` updates and the old state where ``ok`` is false.
+  over its old state slice (``state`` holds what the program reads,
+  ``old_writes`` the old values of what it writes), so no second buffer
+  the size of the stack is made. Returns what :func:`landing` and
+  :func:`step_layers` would, or ``-0.0`` updates and ``old_writes`` where
+  ``ok`` is false.
   """
-  split = stacked.state_axes(tx, weights, state, path)
-  state_leaves, state_def = jax.tree.flatten(state)
-  axes = jax.tree.leaves(split, is_leaf=lambda a: a is None)
+  (program, split), rest = levels[0], levels[1:]
+  # One loop-carried buffer per sliced state leaf, read or written: a leaf
+  # both read and written must be one buffer, or XLA copies it.
+  buffers = {k: s for k, s, axis in zip(program.reads, state, split)
+             if axis == 0}
+  for k, old in zip(program.writes, old_writes):
+    buffers.setdefault(k, old)
+  shared = {k: s for k, s, axis in zip(program.reads, state, split)
+            if axis is None}
 
-  def step(grad, state, weights):
-    new, state = step_layers(tx, grad, state_def.unflatten(state), weights,
-                             layer_axes - 1, path)
-    return landing(new, weights), jax.tree.leaves(state)
+  def step(grad, reads, weights, _):
+    new, written = step_layers(rest, grad, reads, weights)
+    return landing(new, weights), list(written)
 
-  def keep(grad, state, weights):
-    del grad
-    return jnp.full_like(weights, -0.0), state
+  def keep(grad, reads, weights, old):
+    del grad, reads
+    return jnp.full_like(weights, -0.0), old
 
   def body(i, carry):
-    grad, sliced = carry
-    # A shared leaf is read from the original state: every layer steps it
-    # from the same value.
-    old = [s[i] if axis == 0 else first for s, first, axis in
-           zip(sliced, state_leaves, axes)]
-    update, new = lax.cond(ok, step, keep, grad[i], old, weights[i])
-    sliced = [s.at[i].set(n) if axis == 0 else n
-              for s, n, axis in zip(sliced, new, axes)]
-    return grad.at[i].set(update), sliced
+    grad, buffers = carry
+    # A shared leaf is read whole: every layer steps from the same value.
+    reads = [buffers[k][i] if k in buffers else shared[k]
+             for k in program.reads]
+    old = [buffers[k][i] for k in program.writes]
+    update, new = lax.cond(ok, step, keep, grad[i], reads, weights[i], old)
+    buffers = dict(buffers)
+    for k, value in zip(program.writes, new):
+      buffers[k] = buffers[k].at[i].set(value)
+    return grad.at[i].set(update), buffers
 
-  updates, sliced = lax.fori_loop(0, jnp.shape(weights)[0], body,
-                                  (grad, state_leaves))
-  return updates, state_def.unflatten(sliced)
+  updates, buffers = lax.fori_loop(0, jnp.shape(weights)[0], body,
+                                   (grad, buffers))
+  return updates, [buffers[k] for k in program.writes]
 
 
 def all_finite(tree: Any) -> jax.Array:

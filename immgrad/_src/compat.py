@@ -55,3 +55,15 @@ def checkpoint_options(static_argnames) -> dict:
         f"{jax.__version__} is installed); pass those arguments by position "
         "with static_argnums instead.")
   return {"static_argnames": static_argnames}
+
+
+def dce_rules() -> dict:
+  """JAX's dead-code rules for equations with inner programs (by primitive).
+
+  Private in every release we support (``partial_eval.dce_rules``, each
+  ``rule(used_outputs, eqn) -> (used_inputs, eqn or None)``); ``plan.py``
+  uses them to cut a ``cond`` over the whole tree down to one parameter's
+  outputs.
+  """
+  from jax._src.interpreters import partial_eval  # pylint: disable=g-import-not-at-top
+  return partial_eval.dce_rules

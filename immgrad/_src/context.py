@@ -72,7 +72,12 @@ class Slot:
   path: str
   view: jax.Array  # What the loss sees; kept alive so its id stays unique.
   weight: jax.Array  # The channel whose cotangent carries the gradient.
-  state: Any  # The leaf's optimizer state, read by its layer.
+  state: Any  # The optimizer state leaves its program reads.
+  # The leaf's step (``plan.LeafProgram``), its position in the params, and
+  # how many ``immgrad.scan`` slicings deep this slot is.
+  program: Any = None
+  index: int = 0
+  depth: int = 0
   # Measuring dX's change (``measure_dx``): a float32 zero shaped like the
   # weight, whose cotangent carries its layer's measurement; else None.
   probe: Optional[jax.Array] = None
@@ -127,10 +132,12 @@ class Slot:
 class Step:
   """The parameters of one ``value_and_grad`` step, by object identity."""
 
-  def __init__(self, tx, dx_at: float, axis_name, atomic: bool,
-               flag: jax.Array, measure_dx: bool = False,
-               parent: Optional["Step"] = None):
+  def __init__(self, tx, params: Any, shared: tuple, dx_at: float,
+               axis_name, atomic: bool, flag: jax.Array,
+               measure_dx: bool = False, parent: Optional["Step"] = None):
     self.tx = tx
+    self.params = params  # The params' shapes, for per-layer programs.
+    self.shared = shared  # Positions of the state no parameter owns.
     self.dx_at = dx_at  # dX at W + dx_at * (W_new - W).
     self.measure_dx = measure_dx  # Layers report |dX_new - dX| / |dX|.
     self.axis_name = axis_name
@@ -168,8 +175,9 @@ class Step:
 
   def nested(self) -> "Step":
     """A step for the body of a transformation traced inside this one."""
-    return Step(self.tx, self.dx_at, self.axis_name, self.atomic, self.flag,
-                self.measure_dx, parent=self)
+    return Step(self.tx, self.params, self.shared, self.dx_at,
+                self.axis_name, self.atomic, self.flag, self.measure_dx,
+                parent=self)
 
   def claim(self, layer: str, params: Any) -> list[Slot]:
     """Returns the slots of ``params``'s leaves, now owned by ``layer``."""

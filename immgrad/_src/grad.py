@@ -11,7 +11,8 @@ the parameter leaves and one scalar:
 * the step's *flag*, a zero whose cotangent counts the immediate layers
   whose step was not finite (atomic steps only).
 
-Each leaf's optimizer state is read by its layer, not differentiated.
+Each leaf's optimizer state (the leaves of optax's state its program reads,
+``plan.py``) is read by its layer, not differentiated.
 
 After the backward pass each leaf is exactly one of: stepped by one
 immediate layer (its gradient, as :class:`ImmediateGrad`, for the shim to
@@ -122,19 +123,23 @@ def value_and_grad(fun: Callable[..., Any], tx: optax.GradientTransformation,
     keyed, treedef = jax.tree_util.tree_flatten_with_path(params)
     paths = [jax.tree_util.keystr(path) for path, _ in keyed]
     leaves = [leaf for _, leaf in keyed]
-    states = shim_lib.flatten_like(
-        treedef, shim_lib.state_of(opt_state), "opt_state")
-    _check_states(tx.inner, paths, leaves, states)
+    plan = shim_lib.cut(tx.inner, params)
+    state = shim_lib.state_leaves(plan, opt_state)
+    states = [[state[k] for k in leaf.reads] for leaf in plan.leaves]
+    shapes = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)),
+        params)
     run = None
 
     def loss(views, weights, flag, probes):
       nonlocal run
-      run = context.Step(tx.inner, dx_at, axis_name, tx.atomic, flag,
-                         measure_dx)
+      run = context.Step(tx.inner, shapes, plan.shared_positions, dx_at,
+                         axis_name, tx.atomic, flag, measure_dx)
       for i, view in enumerate(views):
         slot = context.Slot(path=paths[i], view=None, weight=weights[i],
                             state=states[i],
-                            probe=probes[i] if measure_dx else None)
+                            probe=probes[i] if measure_dx else None,
+                            program=plan.leaves[i], index=i)
         views[i] = slot.watch(view)
         run.add(slot)
       with context.opened(run):
@@ -158,7 +163,7 @@ def value_and_grad(fun: Callable[..., Any], tx: optax.GradientTransformation,
       elif slot.ordinary:
         grads.append(axes.mean_of_cotangent(cts[i], leaves[i], axis_name))
       else:  # Untouched this step: keep its weights and state.
-        grads.append(shim_lib.Stepped(leaves[i], states[i]))
+        grads.append(shim_lib.Stepped(leaves[i]))
     grads = treedef.unflatten(grads)
     value = (value, aux[0]) if has_aux else value
     if measure_dx:
@@ -200,24 +205,3 @@ def _check_loss(fun, out, has_aux):
     raise TypeError(
         f"immgrad.value_and_grad: {getattr(fun, '__qualname__', fun)!r} "
         f"must return a real scalar loss, got {value!r}.")
-
-
-def _check_states(tx, paths, leaves, states):
-  """A clear error if the stored state was not made by ``tx`` for ``leaves``."""
-  made = {}  # tx.init's abstract output, by the leaf's shape and dtype.
-  for path, leaf, stored in zip(paths, leaves, states):
-    key = (jnp.shape(leaf), jnp.result_type(leaf))
-    if key not in made:
-      made[key] = jax.eval_shape(tx.init, jax.ShapeDtypeStruct(*key))
-    expected = made[key]
-    same = jax.tree.structure(expected) == jax.tree.structure(stored) and all(
-        jnp.shape(a) == jnp.shape(b) and jnp.result_type(a) ==
-        jnp.result_type(b) for a, b in zip(jax.tree.leaves(expected),
-                                           jax.tree.leaves(stored)))
-    if not same:
-      raise ValueError(
-          f"immgrad.value_and_grad: the optimizer state of parameter {path} "
-          f"does not match what tx.init makes for it (expected "
-          f"{jax.tree.structure(expected)}, got "
-          f"{jax.tree.structure(stored)}). Was opt_state made by this "
-          "immgrad.shim for these params?")

@@ -246,8 +246,8 @@ def _immediate(fun, step: context.Step, slots, treedef, x):
     nonfinite = jnp.zeros((), jnp.float32)
     dx, probes = dx_current if at == 0 else None, None
     if at != 0 or step.atomic or step.measure_dx:
-      stepped = [commit.step_parameter(step.tx, g, s, w)
-                 for g, s, w in zip(dw, states, weights)]
+      stepped = [commit.step_parameter(slot.program, g, s, w)
+                 for slot, g, s, w in zip(slots, dw, states, weights)]
       new = [w for w, _ in stepped]
       if step.atomic:
         nonfinite = jnp.where(commit.all_finite((dw, stepped)), 0.0, 1.0)
@@ -275,12 +275,17 @@ def _relative_change(dx_updated, dx_current, axis_name) -> jax.Array:
   """``|dx_updated - dx_current| / |dx_current|`` over all leaves and replicas.
 
   Squared norms are averaged over ``axis_name``: the ratio is the one of the
-  whole batch's dX, not of one replica's share.
+  whole batch's dX, not of one replica's share. Integer inputs (an
+  embedding's token ids) have no dX: 0 if the layer has no other input.
   """
-  squares = lambda tree: sum(jnp.sum(jnp.square(a.astype(jnp.float32)))
-                             for a in jax.tree.leaves(tree))
-  diff = jax.tree.map(lambda u, c: u - c, dx_updated, dx_current)
-  num, den = axes.mean([squares(diff), squares(dx_current)], axis_name)
+  pairs = [(u.astype(jnp.float32), c.astype(jnp.float32)) for u, c in zip(
+      jax.tree.leaves(dx_updated), jax.tree.leaves(dx_current))
+           if jnp.issubdtype(c.dtype, jnp.inexact)]
+  if not pairs:  # An integer input (token ids): there is no dX to change.
+    return jnp.zeros((), jnp.float32)
+  num = sum(jnp.sum(jnp.square(u - c)) for u, c in pairs)
+  den = sum(jnp.sum(jnp.square(c)) for _, c in pairs)
+  num, den = axes.mean([num, den], axis_name)
   return jnp.sqrt(num / den)
 
 

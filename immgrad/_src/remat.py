@@ -80,7 +80,8 @@ def checkpoint(fun: Callable, *, prevent_cse=True, policy=None,
       for (i, slot), (weight, state, probe) in zip(found, channels):
         nested.add(context.Slot(
             path=slot.path, view=views[i], weight=weight, state=state,
-            probe=probe, parent=slot, origin=origin))
+            probe=probe, program=slot.program, index=slot.index,
+            depth=slot.depth, parent=slot, origin=origin))
       with context.opened(nested):
         return fun(*args, **call_kwargs, **static)
 

@@ -28,6 +28,7 @@ import numpy as np
 
 from immgrad._src import context
 from immgrad._src import scan_vjp
+from immgrad._src import plan as plan_lib
 from immgrad._src import stacked as stacked_lib
 
 def scan(f: Callable, init: Any, xs: Any = None, length=None,
@@ -73,20 +74,25 @@ def scan(f: Callable, init: Any, xs: Any = None, length=None,
     return plain()
 
   origin = object()  # Tells a retrace of this call's body from another use.
-  channels, states = [], []  # Per stacked parameter: scanned, and its tree.
+  channels, programs = [], []  # Per stacked parameter: scanned, one layer's.
   for i, slot in stacked:
-    split = stacked_lib.state_axes(step.tx, leaves[i], slot.state, slot.path)
+    if not jnp.ndim(leaves[i]):
+      raise ValueError(
+          f"immgrad.scan: parameter {slot.path} in xs is a scalar; stacked "
+          "parameters need a leading layer axis.")
+    layer = plan_lib.layer_program(step.tx, step.params, slot.index,
+                                   slot.depth + 1)
+    split = stacked_lib.state_axes(slot.program, layer, slot.state,
+                                   step.shared, slot.path)
     layers = jnp.shape(leaves[i])[0]
-    state, state_def = jax.tree.flatten(slot.state)
     # A shared leaf is repeated per layer: closed over instead, a value
     # that is not differentiated would stay in the body's closure, outside
     # any trace that rematerialisation replays.
     state = [a if axis == 0 else jnp.broadcast_to(a, (layers,) + a.shape)
-             for a, axis in zip(state, jax.tree.leaves(
-                 split, is_leaf=lambda a: a is None))]
+             for a, axis in zip(slot.state, split)]
     probe = [slot.probe] if step.measure_dx else []
     channels.append([slot.weight] + probe + state)
-    states.append(state_def)
+    programs.append(layer)
   # The loop scans the leaves of xs, then each stacked parameter's channels.
   starts = np.cumsum([len(leaves)] + [len(c) for c in channels]).tolist()
   inner_slots = []  # One per stacked parameter, made when the body is traced.
@@ -95,14 +101,15 @@ def scan(f: Callable, init: Any, xs: Any = None, length=None,
     x = scanned[:len(leaves)]
     inner = step.nested()
     inner_slots.clear()
-    for (i, slot), start, c, state_def in zip(stacked, starts, channels,
-                                              states):
+    for (i, slot), start, c, program in zip(stacked, starts, channels,
+                                            programs):
       weight, *state = scanned[start:start + len(c)]
       probe = state.pop(0) if step.measure_dx else None
       inner_slot = context.Slot(
           path=f"{slot.path} (one layer of immgrad.scan)", view=None,
-          weight=weight, state=state_def.unflatten(state), probe=probe,
-          parent=slot, origin=origin, sliced=True)
+          weight=weight, state=list(state), probe=probe, program=program,
+          index=slot.index, depth=slot.depth + 1, parent=slot,
+          origin=origin, sliced=True)
       x[i] = inner_slot.watch(x[i])
       inner.add(inner_slot)
       inner_slots.append(inner_slot)

@@ -1,25 +1,31 @@
 """``shim``: the optax optimizer that commits what immediate layers computed.
 
-The shim keeps one optimizer state per parameter leaf (``tx.init`` of that
-leaf alone), because an immediate layer steps its own leaves during the
-backward pass, long before the other gradients exist. ``update`` takes the
-tree that ``immgrad.value_and_grad`` returns and commits the whole step at
-once: a leaf that is an :class:`ImmediateGrad` is stepped again from the
-same gradient, state and weights its layer stepped it with (so its new
-weights are the ones the layer took ``dX`` at); a :class:`Stepped` leaf
-already holds its new weights and state; any other leaf is an ordinary
-gradient and gets ``tx``'s normal update.
+The shim's state is ``tx``'s own, in optax's layout (``tx.init(params)``),
+so a run moves between plain optax and immgrad by taking or wrapping it
+(:func:`shim_state_from_optax`, :func:`shim_state_to_optax`). Each
+parameter is stepped by its own program, cut out of ``tx.update`` on the
+whole params tree (``plan.py``): an immediate layer steps its leaves during
+the backward pass, long before the other gradients exist, yet each step is
+the one plain optax takes, masks, ``multi_transform`` labels, path-aware
+callables and per-leaf PRNG keys included. ``update`` takes the tree that
+``immgrad.value_and_grad`` returns and commits the whole step at once: a
+leaf that is an :class:`ImmediateGrad` is stepped again from the same
+gradient, state and weights its layer stepped it with (so its new weights
+are the ones the layer took ``dX`` at); a :class:`Stepped` leaf already
+holds its new weights; any other leaf is an ordinary gradient and gets its
+program's step. The state that belongs to no parameter (the step count, a
+PRNG key) is stepped once.
 
 Atomic steps: every layer checked its own step in the backward pass, and
-the commit runs under one ``lax.cond`` on the step's finiteness, so a
-rejected step writes nothing, and a clean one updates the weights and
-state in place, as plain training does.
+the commit runs under ``lax.cond`` on the step's finiteness, so a rejected
+step writes nothing, and a clean one updates the weights and state in
+place, as plain training does.
 
-So ``tx`` must act on each parameter on its own. ``shim`` checks this once,
-by running ``tx`` on a small probe tree whole and leaf by leaf, and rejects
-a transformation that needs the whole tree (``clip_by_global_norm``,
-``MultiSteps``, ``apply_if_finite``) with an error instead of letting it
-silently do something else.
+So ``tx`` must act on each parameter on its own. ``plan.py`` follows the
+data flow of ``tx.update`` and refuses a transformation that mixes
+parameters (``clip_by_global_norm``, ``MultiSteps``, ``apply_if_finite``, a
+global estimate kept in the state) with an error naming it, instead of
+letting it silently do something else.
 """
 
 import functools
@@ -30,17 +36,17 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
-from jax.extend.core import Literal
 
 from immgrad._src import commit as commit_lib
+from immgrad._src import plan as plan_lib
 
 
 class ShimState(NamedTuple):
   """State of :func:`shim`.
 
   Attributes:
-    inner: the params tree with each leaf replaced by that leaf's own
-      ``tx`` state (``tx.init(leaf)``).
+    inner: ``tx``'s state, exactly as plain optax keeps it
+      (``tx.init(params)``).
     rejected: how many steps were rejected as non-finite (int32).
   """
   inner: Any
@@ -51,15 +57,16 @@ class Stepped(NamedTuple):
   """A leaf of the tree from ``immgrad.value_and_grad`` that is already done.
 
   ``immgrad.value_and_grad`` gives one for a parameter the step did not use
-  (its old values: kept bit for bit); the shim also accepts one with new
-  values computed elsewhere.
+  (its old value and state: kept bit for bit); the shim also accepts one
+  with a new value computed elsewhere.
 
   Attributes:
     params: the parameter's new value.
-    state: the parameter's new ``tx`` state.
+    state: None (the state this parameter owns is kept), or its new values,
+      in the order ``tx``'s program for it writes them.
   """
   params: chex.Array
-  state: Any
+  state: Any = None
 
 
 @jax.tree_util.register_pytree_node_class
@@ -119,9 +126,6 @@ _NOT_SEPARABLE = (
     "apply_if_finite, ...) cannot run there. Use a per-parameter rule "
     "instead, e.g. optax.clip or optax.clip_by_block_rms for clipping.")
 
-_WHOLE_TREE_STATES = (optax.MultiStepsState, optax.ApplyIfFiniteState)
-
-
 _GENERIC = ("", "init_empty_state", "with_extra_args_support")
 
 
@@ -154,70 +158,33 @@ def _closure(fn) -> list:
   return values
 
 
-def _why_not_separable(tx: optax.GradientTransformation) -> Optional[str]:
-  """Why ``tx`` is not a per-parameter rule, or None if it is.
+_PROBE = {"a": jax.ShapeDtypeStruct((4, 3), jnp.float32),
+          "b": jax.ShapeDtypeStruct((5,), jnp.float32)}
 
-  Structural, not numerical: we trace ``tx.update`` on a two-leaf probe and
-  follow the data flow. If the update of leaf ``a`` depends on any input
-  that belongs to leaf ``b`` (its gradient, value or state), ``tx`` needs
-  the whole tree. A numerical probe would miss a global-norm clip that
-  happens not to trigger on it (after adam, say).
+
+def _why_not_separable(tx: optax.GradientTransformation,
+                       params: Any) -> Optional[str]:
+  """Why ``tx`` has no per-parameter cut for ``params``, or None.
+
+  Structural, not numerical (``plan.py`` follows the data flow): a
+  numerical probe would miss a global-norm clip that happens not to
+  trigger on it (after adam, say).
   """
-  probe = {"a": jax.ShapeDtypeStruct((4, 3), jnp.float32),
-           "b": jax.ShapeDtypeStruct((5,), jnp.float32)}
   try:
-    for leaf in probe.values():
-      jax.eval_shape(tx.update, leaf, jax.eval_shape(tx.init, leaf), leaf)
-  except Exception as e:  # pylint: disable=broad-except
-    return ("it fails on a single array; if it takes a tree shaped like "
-            f"the params (a mask, labels), pass a callable instead: {e}")
-  state = jax.eval_shape(tx.init, probe)
-  for s in jax.tree.leaves(state, is_leaf=lambda s: isinstance(
-      s, _WHOLE_TREE_STATES)):
-    if isinstance(s, _WHOLE_TREE_STATES):
-      return f"its state holds a {type(s).__name__}"
-  closed, shapes = jax.make_jaxpr(tx.update, return_shape=True)(
-      probe, state, probe)
-  inputs = jax.tree_util.tree_flatten_with_path((probe, state, probe))[0]
-  outputs = jax.tree_util.tree_flatten_with_path(tuple(shapes))[0]
-  owner = lambda path: next((k.key for k in path if k in _PROBE_KEYS), None)
-  from_a, from_b = (_tainted(closed.jaxpr, [owner(p) == k for p, _ in inputs])
-                    for k in ("a", "b"))
-  for (path, _), a, b in zip(outputs, from_a, from_b):
-    role = "update" if path[0].idx == 0 else "state"
-    if owner(path) == "a" and b or owner(path) == "b" and a:
-      return (f"the {role} of one parameter depends on the gradients or "
-              "state of another")
-    if owner(path) is None and (a or b):
-      return ("its state keeps a value computed from the parameters' "
-              "gradients or state that is not per parameter (a global "
-              "estimate or statistic), which a per-parameter step would "
-              "compute from one parameter alone")
+    plan_lib.make(tx, params)
+  except plan_lib.NotSeparable as e:
+    return str(e)
   return None
 
 
-_PROBE_KEYS = (jax.tree_util.DictKey("a"), jax.tree_util.DictKey("b"))
-
-
-def _tainted(jaxpr, tainted_inputs: list) -> list:
-  """Which outputs of ``jaxpr`` depend on the tainted inputs (conservative)."""
-  env = dict(zip(jaxpr.invars, tainted_inputs))
-  read = lambda v: False if isinstance(v, Literal) else env.get(v, False)
-  for eqn in jaxpr.eqns:
-    ins = [read(v) for v in eqn.invars]
-    inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-    inner = getattr(inner, "jaxpr", inner)
-    if eqn.primitive.name == "cond":  # Either branch may run.
-      index, operands = ins[0], ins[1:]
-      branches = [_tainted(b.jaxpr, operands)
-                  for b in eqn.params["branches"]]
-      outs = [index or any(o) for o in zip(*branches)]
-    elif inner is not None and len(inner.invars) == len(ins):
-      outs = _tainted(inner, ins)
-    else:  # Control flow and the rest: every output depends on every input.
-      outs = [any(ins)] * len(eqn.outvars)
-    env.update(zip(eqn.outvars, outs))
-  return [read(v) for v in jaxpr.outvars]
+def _applies_to(tx, params) -> bool:
+  """Whether ``tx`` runs at all on a tree shaped like ``params``."""
+  try:
+    state = jax.eval_shape(tx.init, params)
+    jax.eval_shape(tx.update, params, state, params)
+  except Exception:  # pylint: disable=broad-except
+    return False
+  return True
 
 
 def _parts(tx: optax.GradientTransformation) -> list:
@@ -236,16 +203,17 @@ def _parts(tx: optax.GradientTransformation) -> list:
   return found
 
 
-def _check_separable(tx: optax.GradientTransformation) -> None:
-  """Raises, naming the innermost culprit, unless ``tx`` is separable."""
-  why = _why_not_separable(tx)
+def _check_separable(tx: optax.GradientTransformation, params: Any) -> None:
+  """Raises, naming the innermost culprit, unless ``tx`` cuts for ``params``."""
+  why = _why_not_separable(tx, params)
   if why is None:
     return
   name = culprit = _name(tx)
   parts = _parts(tx)
   while parts:
     for part in parts:
-      part_why = _why_not_separable(part)
+      part_why = (_why_not_separable(part, params)
+                  if _applies_to(part, params) else None)
       if part_why is not None:
         culprit, why, parts = _name(part), part_why, _parts(part)
         break
@@ -256,27 +224,55 @@ def _check_separable(tx: optax.GradientTransformation) -> None:
   raise ValueError(_NOT_SEPARABLE.format(name=name, why=why))
 
 
-def _init_leaf(tx, path, leaf):
-  dtype = jnp.result_type(leaf)
-  if not jnp.issubdtype(dtype, jnp.floating):
-    raise TypeError(
-        f"immgrad.shim: parameter {jax.tree_util.keystr(path)} has dtype "
-        f"{dtype}; parameters must be real floating point arrays (keep "
-        "integer or complex values out of the params tree).")
-  return tx.init(leaf)
+def cut(tx: optax.GradientTransformation, params: Any) -> plan_lib.Plan:
+  """``tx``'s per-parameter programs for ``params``, or an error naming it."""
+  try:
+    return plan_lib.make(tx, params)
+  except plan_lib.NotSeparable:
+    _check_separable(tx, params)
+    raise
+  except Exception as e:  # pylint: disable=broad-except
+    name = culprit = _name(tx)
+    parts = _parts(tx)
+    while parts:
+      failing = [p for p in parts if not _applies_to(p, params)]
+      if not failing:
+        break
+      culprit, parts = _name(failing[0]), _parts(failing[0])
+    if culprit != name:
+      name = f"{name}: {culprit}"
+    raise ValueError(
+        f"immgrad.shim({name}): the optimizer fails on these params: "
+        f"{type(e).__name__}: {e}. An option shaped like the params (a mask, "
+        "multi_transform labels) must have the params' tree structure."
+    ) from e
+
+
+def _check_params(params: Any) -> None:
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    dtype = jnp.result_type(leaf)
+    if not jnp.issubdtype(dtype, jnp.floating):
+      raise TypeError(
+          f"immgrad.shim: parameter {jax.tree_util.keystr(path)} has dtype "
+          f"{dtype}; parameters must be real floating point arrays (keep "
+          "integer or complex values out of the params tree).")
 
 
 def shim(tx: optax.GradientTransformation, *,
          atomic: bool = True) -> ShimTransformation:
   """The optimizer to use with immediate layers, in place of ``tx``.
 
-  ``init(params)`` gives every parameter its own ``tx`` state.
+  ``init(params)`` is ``tx.init(params)`` (as a :class:`ShimState`).
   ``update(grads, state, params)`` takes the tree from
   ``immgrad.value_and_grad`` and commits the step: a parameter an
   immediate layer stepped (:class:`ImmediateGrad`) gets the new weights and
-  state its layer computed, a :class:`Stepped` leaf the values it holds,
+  state its layer computed, a :class:`Stepped` leaf the value it holds,
   and every other leaf ``tx``'s own update. Plain gradients (from
-  ``jax.grad``) train exactly as ``tx`` would.
+  ``jax.grad``) train exactly as ``tx`` would. Each parameter's step is
+  the one ``tx.update`` takes on the whole tree, so options shaped like
+  the params (``optax.adamw(lr, mask=tree)``, ``optax.multi_transform``
+  labels), path-aware callables and PRNG state (``noisy_sgd``) work as in
+  plain optax.
 
   Atomic steps: by the time the backward pass meets a non-finite gradient,
   the layers after it have already computed their new weights. With
@@ -305,7 +301,8 @@ def shim(tx: optax.GradientTransformation, *,
   Args:
     tx: an optax transformation that acts on each parameter separately
       (sgd, momentum, adam, adamw, lion, rmsprop, adafactor, schedules,
-      ``optax.inject_hyperparams``, chains of these).
+      ``optax.inject_hyperparams``, masks, ``multi_transform``, chains of
+      these: the README's catalogue lists every optax rule).
     atomic: reject a step with any non-finite value, whole (see above).
 
   Returns:
@@ -313,7 +310,8 @@ def shim(tx: optax.GradientTransformation, *,
     ``immgrad.value_and_grad`` too.
 
   Raises:
-    ValueError: if ``tx`` needs the whole gradient tree.
+    ValueError: if ``tx`` needs the whole gradient tree (here, if a probe
+      tree shows it; else at ``init``, on the real params).
 
   Example:
     >>> import jax, jax.numpy as jnp, optax
@@ -329,13 +327,14 @@ def shim(tx: optax.GradientTransformation, *,
   if not isinstance(tx, optax.GradientTransformation):
     raise TypeError(
         f"immgrad.shim expects an optax.GradientTransformation, got {tx!r}.")
-  _check_separable(tx)
+  if _applies_to(tx, _PROBE):  # Else it needs the params' own tree.
+    cut(tx, _PROBE)
 
   def init_fn(params):
-    return ShimState(
-        inner=jax.tree_util.tree_map_with_path(
-            lambda path, leaf: _init_leaf(tx, path, leaf), params),
-        rejected=jnp.zeros((), jnp.int32))
+    _check_params(params)
+    cut(tx, params)
+    return ShimState(inner=tx.init(params),
+                     rejected=jnp.zeros((), jnp.int32))
 
   def update_fn(grads, state, params=None):
     if params is None:
@@ -346,42 +345,65 @@ def shim(tx: optax.GradientTransformation, *,
     paths = [jax.tree_util.keystr(path) for path, _ in keyed]
     leaves = [leaf for _, leaf in keyed]
     grads = flatten_like(treedef, grads, "grads")
-    old_states = flatten_like(treedef, state_of(state), "opt_state")
     for path, g, p in zip(paths, grads, leaves):
       _check_like(path, _value_of(g), p)
+    plan = cut(tx, params)
+    old = state_leaves(plan, state)
+    parts = [[old[k] for k in leaf.reads] for leaf in plan.leaves]
 
-    def commit(path, g, s, p):
+    def commit(i, g, s, p):
+      program = plan.leaves[i]
       if isinstance(g, ImmediateGrad):
-        new, s = commit_lib.step_layers(tx, g.grad, s, p, g.layer_axes, path)
-        return commit_lib.landing(new, p), s
+        levels = commit_lib.layers(tx, params, i, g.layer_axes, s,
+                                   plan.shared_positions, paths[i])
+        new, s = commit_lib.step_layers(levels, g.grad, s, p)
+        return commit_lib.landing(new, p), list(s)
       if isinstance(g, Stepped):
-        return commit_lib.landing(g.params, p), g.state
-      return tx.update(g, s, p)
+        kept = [old[k] for k in program.writes]
+        return commit_lib.landing(g.params, p), (
+            kept if g.state is None else list(g.state))
+      update, s = program(g, p, s)
+      return update, list(s)
 
-    def keep(g, s, p):
-      del g
-      return jnp.full_like(p, -0.0), s
+    def keep(i, g, s, p):
+      del g, s
+      return (jnp.full_like(p, -0.0),
+              [old[k] for k in plan.leaves[i].writes])
 
-    def commit_if(ok, path, g, s, p):
+    def commit_if(ok, i, g, s, p):
       if isinstance(g, ImmediateGrad) and g.layer_axes:
-        return commit_lib.commit_layers(tx, g.grad, s, p, ok, g.layer_axes,
-                                        path)
+        levels = commit_lib.layers(tx, params, i, g.layer_axes, s,
+                                   plan.shared_positions, paths[i])
+        return commit_lib.commit_layers(
+            levels, g.grad, s, [old[k] for k in plan.leaves[i].writes], p,
+            ok)
       # One cond per parameter: each update's buffer lives only until it is
       # applied, where one cond for all would hold every update at once.
-      return lax.cond(ok, functools.partial(commit, path), keep, g, s, p)
+      return lax.cond(ok, functools.partial(commit, i),
+                      functools.partial(keep, i), g, s, p)
 
+    shared_old = [old[k] for k in plan.shared_positions]
+    shared = list(plan.shared(*shared_old))
     rejected = state.rejected
     if atomic:
-      ok = _finite(tx, paths, grads, old_states, leaves)
-      committed = [commit_if(ok, *args) for args in
-                   zip(paths, grads, old_states, leaves)]
+      ok = _finite(tx, params, plan, paths, grads, parts, leaves, shared)
+      committed = [commit_if(ok, i, *args) for i, args in
+                   enumerate(zip(grads, parts, leaves))]
+      shared = lax.cond(ok, lambda new, _: new, lambda _, kept: kept, shared,
+                        shared_old)
       rejected = rejected + jnp.where(ok, 0, 1).astype(rejected.dtype)
     else:
-      committed = [commit(*args) for args in zip(paths, grads, old_states,
-                                                 leaves)]
-    updates, states = zip(*committed) if committed else ((), ())
-    return (treedef.unflatten(list(updates)),
-            ShimState(inner=treedef.unflatten(list(states)),
+      committed = [commit(i, *args) for i, args in
+                   enumerate(zip(grads, parts, leaves))]
+    new = list(old)
+    for program, (_, writes) in zip(plan.leaves, committed):
+      for k, value in zip(program.writes, writes):
+        new[k] = value
+    for k, value in zip(plan.shared_positions, shared):
+      new[k] = value
+    updates = [update for update, _ in committed]
+    return (treedef.unflatten(updates),
+            ShimState(inner=plan.state_def.unflatten(new),
                       rejected=rejected))
 
   result = ShimTransformation(init_fn, update_fn)
@@ -390,23 +412,25 @@ def shim(tx: optax.GradientTransformation, *,
   return result
 
 
-def _finite(tx, paths, grads, states, leaves) -> chex.Array:
+def _finite(tx, params, plan, paths, grads, parts, leaves,
+            shared) -> chex.Array:
   """Whether every gradient, new weight and new state of the step is finite.
 
   An immediate parameter's layer checked its own step in the backward pass;
-  the rest are checked here.
+  the rest are checked here, and ``shared``, the new state shared by all.
   """
-  nonfinite, checks = [], []
-  for path, g, s, p in zip(paths, grads, states, leaves):
+  nonfinite, checks = [], [shared]
+  for i, (g, s, p) in enumerate(zip(grads, parts, leaves)):
     if isinstance(g, ImmediateGrad) and g.nonfinite is not None:
       nonfinite.append(g.nonfinite)
     elif isinstance(g, ImmediateGrad):
-      checks.append((g.grad, commit_lib.step_layers(tx, g.grad, s, p,
-                                                    g.layer_axes, path)))
+      levels = commit_lib.layers(tx, params, i, g.layer_axes, s,
+                                 plan.shared_positions, paths[i])
+      checks.append((g.grad, commit_lib.step_layers(levels, g.grad, s, p)))
     elif isinstance(g, Stepped):
       checks.append(g)
     else:
-      checks.append((g, tx.update(g, s, p)))
+      checks.append((g, plan.leaves[i](g, p, s)))
   ok = commit_lib.all_finite(checks)
   # One step's layers all report through the same scalar: count it once.
   for count in {id(n): n for n in nonfinite}.values():
@@ -442,6 +466,61 @@ def state_of(state: Any) -> Any:
         f"got {type(state).__name__}. Initialise it with the shim, not with "
         "the inner optax transformation.")
   return state.inner
+
+
+def shim_state_from_optax(opt_state: Any) -> ShimState:
+  """The shim's state holding ``opt_state``, a plain optax state of ``tx``.
+
+  The shim keeps ``tx``'s state in optax's own layout, so this wraps it
+  bit for bit: a run trained with plain optax continues with immgrad from
+  where it stopped (``rejected`` starts at 0).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import immgrad
+    >>> params = {"w": jnp.ones(3)}
+    >>> opt_state = optax.adam(1e-3).init(params)  # ... trained plainly.
+    >>> state = immgrad.shim_state_from_optax(opt_state)
+    >>> tx = immgrad.shim(optax.adam(1e-3))  # Continue with immgrad.
+    >>> _ = tx.update(jax.tree.map(jnp.ones_like, params), state, params)
+  """
+  if isinstance(opt_state, ShimState):
+    raise TypeError(
+        "immgrad.shim_state_from_optax: opt_state is already a ShimState.")
+  return ShimState(inner=opt_state, rejected=jnp.zeros((), jnp.int32))
+
+
+def shim_state_to_optax(state: ShimState) -> Any:
+  """The plain optax state inside the shim's ``state``, bit for bit.
+
+  Continue with ``tx`` itself (``jax.grad`` + ``tx.update``) where immgrad
+  stopped. The count of rejected steps is dropped.
+  """
+  return state_of(state)
+
+
+def state_leaves(plan: plan_lib.Plan, state: Any) -> list:
+  """The leaves of ``state.inner``, or a clear error if not ``plan``'s."""
+  inner = state_of(state)
+  keyed, treedef = jax.tree_util.tree_flatten_with_path(inner)
+  if treedef != plan.state_def:
+    why = (f"its tree is {treedef}, where tx.init makes "
+           f"{plan.state_def}")
+  else:
+    why = None
+    for (path, leaf), want in zip(keyed, plan.state_avals):
+      got = (jnp.shape(leaf), jnp.result_type(leaf))
+      if got != (want.shape, want.dtype):
+        why = (f"its leaf {jax.tree_util.keystr(path)} is "
+               f"{got[1]}{list(got[0])}, where tx.init makes "
+               f"{want.dtype}{list(want.shape)}")
+        break
+  if why is not None:
+    raise ValueError(
+        f"immgrad: opt_state does not match what tx.init makes for these "
+        f"params: {why}. Was opt_state made by this immgrad.shim for these "
+        "params (same model, same optimizer)?")
+  return [leaf for _, leaf in keyed]
 
 
 def flatten_like(treedef, tree: Any, what: str) -> list:

@@ -2,14 +2,15 @@
 
 ``immgrad.scan`` hands each iteration one layer's slice of a stacked
 parameter (leading axis: the layer), and the layer steps that slice with
-that layer's slice of the optimizer state. The state ``tx.init`` made for
-the whole stack splits per layer when each of its leaves either has the
-layer axis in front of what ``tx.init`` makes for one slice (adam's
-moments: sliced), or equals it in shape (optax's step ``count``, an
-injected hyperparameter: *shared*, every layer reads the same value and
-steps it the same way). Anything else (Adafactor factoring the stack over
-its layer axis, a per-tensor statistic that each layer would make anew) has
-no per-layer split and is refused.
+that layer's slice of the optimizer state: the program ``plan.py`` cuts
+for one layer, as if the layers were unrolled. The state ``tx.init`` made
+for the whole stack splits per layer when each leaf the layer reads either
+has the layer axis in front of what the layer's program expects (adam's
+moments: sliced) or belongs to no parameter (optax's step ``count``, an
+injected hyperparameter: *shared*, read whole by every layer). Anything
+else (Adafactor factoring the stack over its layer axis, a per-tensor
+statistic that each layer would make anew, a PRNG key every layer would
+draw the same noise from) has no per-layer split and is refused.
 
 The same split serves the backward loop (which slices the state for each
 layer) and the shim (which commits each layer's slice: a per-tensor rule
@@ -17,66 +18,80 @@ such as ``immgrad.clip_by_layer_norm`` sees one layer, as for unrolled
 layers).
 """
 
-from typing import Any
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+
+from immgrad._src import plan as plan_lib
 
 _UNSPLITTABLE = (
     "immgrad.scan: the optimizer state of stacked parameter {path} has a "
     "leaf of shape {big} (dtype {dtype}) where one layer's state has shape "
     "{small}. Only state with a leading layer axis, or a value shared by "
-    "all layers (such as the step count), can be split per layer. Use a "
+    "all parameters (such as the step count), can be split per layer. Use a "
     "per-element optimizer (sgd, adam, lion, ...) for stacked layers, or "
     "unroll them.")
 
+_NOT_LIKE_ONE_LAYER = (
+    "immgrad.scan: the optimizer steps stacked parameter {path} from other "
+    "parts of its state than one layer of it ({why}): it treats the stack "
+    "as one tensor. Use a per-element optimizer (sgd, adam, lion, ...) for "
+    "stacked layers, or unroll them.")
 
-def state_axes(tx, leaf: Any, state: Any, path: str) -> Any:
-  """The split of ``state`` (``tx``'s state of the stack ``leaf``) per layer.
+_RANDOM = (
+    "immgrad.scan: the optimizer draws random numbers for stacked parameter "
+    "{path} from a key it shares with the other parameters: every layer "
+    "would draw the same noise. Unroll the layers, or add the noise "
+    "outside the optimizer.")
+
+
+def state_axes(whole: plan_lib.LeafProgram, layer: plan_lib.LeafProgram,
+               parts: Sequence[jax.Array], shared: Sequence[int],
+               path: str) -> list[Optional[int]]:
+  """How the state parts ``whole`` reads split into ``layer``'s, per layer.
+
+  Args:
+    whole: the program of the stacked parameter as one tensor.
+    layer: the program of one layer of it (``plan.layer_program``).
+    parts: the state leaves ``whole`` reads (the stack's).
+    shared: the positions of the state that belongs to no parameter.
+    path: the parameter, for errors.
 
   Returns:
-    A tree like ``state`` holding ``0`` for each leaf sliced along the layer
-    axis and ``None`` for each leaf shared by all layers (the ``in_axes`` of
-    a ``jax.vmap`` over the layers).
+    Per part, ``0`` if sliced along the layer axis, ``None`` if shared by
+    all layers (the ``in_axes`` of a ``jax.vmap`` over the layers).
 
   Raises:
-    ValueError: if ``leaf`` has no layer axis, or ``state`` does not split.
+    ValueError: if the state does not split per layer.
   """
-  if not jnp.ndim(leaf):
-    raise ValueError(
-        f"immgrad.scan: parameter {path} in xs is a scalar; stacked "
-        "parameters need a leading layer axis.")
-  layers = jnp.shape(leaf)[0]
-  like = jax.eval_shape(
-      tx.init, jax.ShapeDtypeStruct(jnp.shape(leaf)[1:], jnp.result_type(leaf)))
-  if jax.tree.structure(like) != jax.tree.structure(state):
-    raise ValueError(
-        f"immgrad.scan: the optimizer state of stacked parameter {path} is "
-        f"not built like one layer's state ({jax.tree.structure(state)} vs "
-        f"{jax.tree.structure(like)}).")
-
-  def axis(big, small):
-    big_shape, small_shape = jnp.shape(big), jnp.shape(small)
-    if big_shape == (layers,) + small_shape:
-      return 0
-    if big_shape == small_shape:
-      return None
-    raise ValueError(_UNSPLITTABLE.format(
-        path=path, big=big_shape, small=small_shape,
-        dtype=jnp.result_type(big)))
-
-  split = jax.tree.map(axis, state, like)
-  # A shared value must stay shared: the same new value in every layer.
-  leaves = jax.ShapeDtypeStruct(jnp.shape(leaf), jnp.result_type(leaf))
-  try:
-    jax.eval_shape(jax.vmap(lambda g, s, p: tx.update(g, s, p)[1],
-                            in_axes=(0, split, 0), out_axes=split),
-                   leaves, state, leaves)
-  except ValueError as e:
-    raise ValueError(
-        f"immgrad.scan: the optimizer state of stacked parameter {path} has "
-        "a value of the same shape as one layer's, which the layers would "
-        "share, but the optimizer makes it anew from each layer's gradient "
-        "(a per-tensor statistic). Use a per-element optimizer (sgd, adam, "
-        "lion, ...) for stacked layers, or unroll them.") from e
+  if whole.reads != layer.reads or whole.writes != layer.writes:
+    why = "it reads or writes other state leaves for one layer"
+    raise ValueError(_NOT_LIKE_ONE_LAYER.format(path=path, why=why))
+  layers = None
+  split = []
+  for position, big, small in zip(whole.reads, parts, layer.read_avals):
+    big_shape, small_shape = jnp.shape(big), small.shape
+    if position in shared:
+      if _is_key(big):
+        raise ValueError(_RANDOM.format(path=path))
+      split.append(None)
+    elif (big_shape[1:] == small_shape and big_shape and
+          layers in (None, big_shape[0])):
+      layers = big_shape[0]
+      split.append(0)
+    else:
+      raise ValueError(_UNSPLITTABLE.format(
+          path=path, big=big_shape, small=small_shape,
+          dtype=jnp.result_type(big)))
+  for big, small in zip(whole.write_avals, layer.write_avals):
+    if big.shape[1:] != small.shape or not big.shape:
+      raise ValueError(_UNSPLITTABLE.format(
+          path=path, big=big.shape, small=small.shape, dtype=big.dtype))
   return split
+
+
+def _is_key(x) -> bool:
+  dtype = jnp.result_type(x)
+  return (jnp.issubdtype(dtype, jax.dtypes.prng_key) or
+          dtype == jnp.uint32)

@@ -1,0 +1,230 @@
+"""One parameter's step, cut out of ``tx.update`` on the whole params tree.
+
+An immediate layer steps its parameters before the other gradients exist,
+so the shim needs each parameter's step on its own. Running ``tx`` on one
+leaf alone is not that step whenever ``tx`` looks at the tree: a mask or
+``multi_transform`` labels shaped like the params, a callable that reads
+the parameter's path, a PRNG key split once per leaf (``noisy_sgd``). So
+the shim traces ``tx.update`` once on the whole (abstract) params tree, in
+optax's own state layout, and cuts the program into
+
+* one *leaf program* per parameter: its gradient, value and the state it
+  reads in, its update and the state it owns out;
+* one *shared program*: the state that belongs to no parameter (optax's
+  step ``count``, a PRNG key) from its old value, run once per step.
+
+The cut is exact: each leaf program is the equations of the whole-tree
+program that its outputs need, unchanged, so a leaf's step is the one
+plain optax takes (the PRNG key it uses included). The same data flow
+decides what is allowed: a state leaf belongs to the one parameter whose
+gradient or value its new value depends on, or to none; a rule whose
+update or state mixes two parameters (``clip_by_global_norm``, a global
+estimate) has no cut and is refused.
+
+``jit`` calls inside the rule are traced inline (``jax.disable_jit``) so
+that a helper jitted over the whole tree does not glue leaves together.
+"""
+
+import dataclasses
+import functools
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jax_core
+
+from immgrad._src import compat
+
+_SHARED = -1  # Owner of a state leaf that belongs to no parameter.
+
+
+class NotSeparable(ValueError):
+  """``tx`` has no per-parameter cut; the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafProgram:
+  """One parameter's step: ``(grad, param, *state) -> (update, *state)``.
+
+  ``reads`` are the positions (in the flattened optax state) of the state
+  leaves it takes, in order; ``writes`` those it returns new values for,
+  all owned by this parameter. ``read_avals`` and ``write_avals`` are their
+  shapes and dtypes.
+  """
+  fun: Any
+  reads: tuple
+  writes: tuple
+  read_avals: tuple
+  write_avals: tuple
+
+  def __call__(self, grad, param, state: Sequence[jax.Array]):
+    update, *new = self.fun(grad, param, *state)
+    return update, new
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """The cut of ``tx.update`` for one params tree (shapes and dtypes)."""
+  leaves: tuple  # One LeafProgram per parameter leaf.
+  shared: Any  # (*shared old state) -> shared new state.
+  shared_positions: tuple  # Where the shared state leaves are.
+  state_def: Any  # The treedef of the optax state.
+  state_avals: tuple  # Its leaves' shapes and dtypes.
+
+
+def _aval(x) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
+
+
+def make(tx, params: Any) -> Plan:
+  """The cut of ``tx`` for ``params`` (arrays or shapes), or NotSeparable.
+
+  The state is the one ``tx.init`` makes for ``params``, in optax's layout.
+  """
+  params = jax.tree.map(_aval, params)
+  state = jax.eval_shape(tx.init, params)
+  return _make(tx, jax.tree.structure(params),
+               tuple(jax.tree.leaves(params)), jax.tree.structure(state),
+               tuple(jax.tree.leaves(state)))
+
+
+def layer_program(tx, params: Any, index: int, layer_axes: int) -> LeafProgram:
+  """Leaf ``index``'s program for one layer of it, ``layer_axes`` axes in.
+
+  The cut of ``tx`` for the params tree in which that leaf is one layer's
+  slice (``immgrad.scan``): the step that layer takes, as if unrolled.
+  """
+  leaves, treedef = jax.tree.flatten(jax.tree.map(_aval, params))
+  leaf = leaves[index]
+  leaves[index] = jax.ShapeDtypeStruct(leaf.shape[layer_axes:], leaf.dtype)
+  return make(tx, treedef.unflatten(leaves)).leaves[index]
+
+
+@functools.lru_cache(maxsize=64)
+def _make(tx, params_def, param_avals, state_def, state_avals) -> Plan:
+  params = params_def.unflatten(param_avals)
+  state = state_def.unflatten(state_avals)
+  with jax.disable_jit():
+    closed, out_shape = jax.make_jaxpr(tx.update, return_shape=True)(
+        params, state, params)
+  jaxpr = closed.jaxpr
+  n, m = len(param_avals), len(state_avals)
+  updates, new_state = out_shape
+  if (jax.tree.structure(updates) != params_def or
+      jax.tree.structure(new_state) != state_def):
+    raise NotSeparable(
+        "its update returns a tree not shaped like the params, or a state "
+        "not shaped like its init")
+  grad_in, state_in = jaxpr.invars[:n], jaxpr.invars[n:n + m]
+  param_in = jaxpr.invars[n + m:]
+  update_out, state_out = jaxpr.outvars[:n], jaxpr.outvars[n:]
+
+  # Which parameters' gradients and values each new state leaf depends on.
+  bits = [1 << i for i in range(n)]
+  first = _taint(jaxpr, bits + [0] * m + bits)
+  owner = []
+  for k, b in enumerate(first[n:]):
+    if b and b & (b - 1):
+      raise NotSeparable(
+          "its state keeps a value computed from the gradients or values of "
+          "several parameters (a global estimate or statistic), which a "
+          "per-parameter step would compute from one parameter alone")
+    owner.append(b.bit_length() - 1 if b else _SHARED)
+  # Now with each state leaf tainted by its owner: nothing may cross.
+  owned = [0 if o == _SHARED else 1 << o for o in owner]
+  second = _taint(jaxpr, bits + owned + bits)
+  for i, b in enumerate(second[:n]):
+    if b & ~bits[i]:
+      raise NotSeparable("the update of one parameter depends on the "
+                         "gradients, values or state of another")
+  for k, b in enumerate(second[n:]):
+    if b & ~owned[k]:
+      raise NotSeparable(
+          "the new state of one parameter (or the state shared by all) "
+          "depends on the gradients, values or state of another")
+
+  leaves = []
+  for i in range(n):
+    writes = tuple(k for k in range(m) if owner[k] == i)
+    outs = [update_out[i]] + [state_out[k] for k in writes]
+    sub, used = _slice(closed, outs)
+    used = set(used)
+    reads = tuple(k for k in range(m) if state_in[k] in used)
+    ins = [grad_in[i], param_in[i]] + [state_in[k] for k in reads]
+    leaves.append(LeafProgram(_as_fun(sub, ins, outs), reads, writes,
+                              tuple(state_avals[k] for k in reads),
+                              tuple(state_avals[k] for k in writes)))
+  shared_positions = tuple(k for k in range(m) if owner[k] == _SHARED)
+  shared_outs = [state_out[k] for k in shared_positions]
+  sub, _ = _slice(closed, shared_outs)
+  shared = _as_fun(sub, [state_in[k] for k in shared_positions], shared_outs)
+  return Plan(tuple(leaves), shared, shared_positions, state_def,
+              state_avals)
+
+
+def _taint(jaxpr, inputs: list) -> list:
+  """Per output of ``jaxpr``, the OR of the bit sets of inputs it uses.
+
+  Exact through calls and per branch of a ``cond``; any other equation
+  with an inner program (loops) is taken to mix all its inputs.
+  """
+  env = dict(zip(jaxpr.invars, inputs))
+  read = lambda v: 0 if isinstance(v, jax_core.Literal) else env.get(v, 0)
+  for eqn in jaxpr.eqns:
+    ins = [read(v) for v in eqn.invars]
+    inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    inner = getattr(inner, "jaxpr", inner)
+    if eqn.primitive.name == "cond":  # Either branch may run.
+      index, operands = ins[0], ins[1:]
+      branches = [_taint(b.jaxpr, operands) for b in eqn.params["branches"]]
+      outs = [functools.reduce(lambda a, b: a | b, o, index)
+              for o in zip(*branches)]
+    elif inner is not None and len(inner.invars) == len(ins):
+      outs = _taint(inner, ins)
+    else:
+      everything = functools.reduce(lambda a, b: a | b, ins, 0)
+      outs = [everything] * len(eqn.outvars)
+    env.update(zip(eqn.outvars, outs))
+  return [read(v) for v in jaxpr.outvars]
+
+
+def _slice(closed, outs: list):
+  """The equations of ``closed`` that ``outs`` need, and the vars they read.
+
+  An equation with an inner program (a ``cond`` over the whole tree, say)
+  is cut down to the outputs needed, by JAX's own dead-code rules.
+  """
+  needed = {v for v in outs if not isinstance(v, jax_core.Literal)}
+  kept = []
+  for eqn in reversed(closed.jaxpr.eqns):
+    used = [v in needed for v in eqn.outvars]
+    if not any(used) and not eqn.effects:
+      continue
+    rule = compat.dce_rules().get(eqn.primitive)
+    if rule is not None and not all(used):
+      _, eqn = rule(used, eqn)
+      if eqn is None:
+        continue
+    kept.append(eqn)
+    needed.update(v for v in eqn.invars
+                  if not isinstance(v, jax_core.Literal))
+  return (closed, kept[::-1]), needed
+
+
+def _as_fun(sub, ins: list, outs: list):
+  """A function computing ``outs`` from ``ins`` with ``sub``'s equations."""
+  closed, eqns = sub
+  jaxpr = closed.jaxpr.replace(
+      invars=list(ins), outvars=list(outs), eqns=eqns,
+      effects=frozenset().union(*(e.effects for e in eqns)), debug_info=_debug_info(closed.jaxpr, ins,
+                                                        outs))
+  return jax_core.jaxpr_as_fun(jax_core.ClosedJaxpr(jaxpr, closed.consts))
+
+
+def _debug_info(jaxpr, ins, outs) -> Optional[Any]:
+  info = jaxpr.debug_info
+  if info is None or not hasattr(info, "_replace"):
+    return info
+  names = dict(zip(jaxpr.invars, info.arg_names or ()))
+  return info._replace(arg_names=tuple(names.get(v, "") for v in ins),
+                       result_paths=tuple("" for _ in outs))
