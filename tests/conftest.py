@@ -11,5 +11,6 @@ if _FLAG not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " +
                              _FLAG).strip()
 
-# Run as its own process by test_multiprocess.py, never imported here.
-collect_ignore = ["multiprocess_worker.py"]
+# Run as their own processes by test_multiprocess.py and test_orbax.py,
+# never imported here.
+collect_ignore = ["multiprocess_worker.py", "orbax_worker.py"]
