@@ -126,3 +126,157 @@ def test_step_time_ratio_and_aggregate():
   assert agg["a"]["mean"] == 2.0 and agg["a"]["std"] == pytest.approx(
       math.sqrt(2))
   assert agg["diverged_runs"] == 1 and agg["diverged_at"] == [7]
+
+
+# -- issue 16: between the modes ------------------------------------------
+
+def _by(runs):
+  return {(r["method"], r["lr"], r["seed"]): r for r in runs}
+
+
+def test_mode_sweep_a0_is_plain_and_a_fraction_is_between(tmp_path):
+  done, out = _run(tmp_path, "--quick", "--steps", "12", "--seeds", "0",
+                   "--modes", "0.5", "1")
+  assert done.returncode == 0, done.stderr[-3000:]
+  # 0 is always added: it is the reference of the sanity check.
+  assert "Sanity check (a=0 reproduces plain): PASSED" in done.stdout
+  assert "| a=0.5 |" in done.stdout and "best a=" in done.stdout
+  results = json.loads((out / "results.json").read_text())
+  assert results["settings"]["methods"] == ["plain", "a=0", "a=0.5", "a=1"]
+  by = _by(results["runs"])
+  lr = results["settings"]["lr"]
+  loss = {m: np.asarray(by[m, lr, 0]["losses"]) for m in
+          ("plain", "a=0", "a=0.5", "a=1")}
+  # a=0 is ordinary training: plain to float rounding (1e-4, the sanity
+  # check's tolerance; the two programs fuse differently).
+  np.testing.assert_allclose(loss["a=0"], loss["plain"], rtol=1e-4)
+  # Step 1's loss is taken before any update: the same for every a.
+  assert len({float(v[0]) for v in loss.values()}) == 1
+  # From step 2 on, a=0.5 differs from both ends by far more than rounding
+  # (1e-4 relative)...
+  for other in ("a=0", "a=1"):
+    rel = np.abs(loss["a=0.5"][1:] - loss[other][1:]) / loss[other][1:]
+    assert rel.max() > 1e-3, other
+  # ...and at step 2 lies near their midpoint: one step in, dX is affine in
+  # a for conv and linear layers, so the loss is nearly so (within a
+  # quarter of the gap, for the second-order coupling between layers).
+  gap = loss["a=1"][1] - loss["a=0"][1]
+  assert abs(gap) > 1e-5
+  assert abs(loss["a=0.5"][1] - (loss["a=0"][1] + loss["a=1"][1]) / 2) < (
+      0.25 * abs(gap))
+  verdict = results["mode_sweep"][str(lr)]["verdict"]
+  assert verdict["final_smoothed_train_loss"]["best"] in ("a=0", "a=0.5",
+                                                           "a=1")
+
+
+def test_mode_sweep_with_lr_sweep_is_a_grid(tmp_path):
+  done, out = _run(tmp_path, "--quick", "--steps", "8", "--seeds", "0",
+                   "--optimizer", "sgd", "--lr-sweep", "--lrs", "0.05",
+                   "1e6", "--modes", "0", "-0.5")
+  assert done.returncode == 0, done.stderr[-3000:]
+  results = json.loads((out / "results.json").read_text())
+  assert {(r["method"], r["lr"]) for r in results["runs"]} == {
+      (m, lr) for m in ("plain", "a=0", "a=-0.5") for lr in (0.05, 1e6, 0.1)}
+  sweep = results["lr_sweep"]
+  for method in ("plain", "a=0", "a=-0.5"):
+    assert sweep[method]["lowest_diverging_lr"] == 1e6
+  assert "tuned" in results["mode_sweep"]
+  assert "each method at its own best lr" in done.stdout
+
+
+def test_measure_dx_per_layer_and_linear_in_lr(tmp_path):
+  done, out = _run(tmp_path, "--quick", "--steps", "4", "--seeds", "0",
+                   "--optimizer", "sgd", "--lr-sweep", "--lrs", "0.01",
+                   "0.02", "--lr", "0.01", "--modes", "0", "1",
+                   "--measure-dx")
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert (out / "dx_change.png").stat().st_size > 10_000
+  assert "dX change" in done.stdout
+  results = json.loads((out / "results.json").read_text())
+  by = _by(results["runs"])
+  layers = {"conv2_d", "conv2_d_1", "linear", "linear_1"}
+  assert "dx_change" not in by["plain", 0.01, 0]
+  for method in ("a=0", "a=1"):
+    for lr in (0.01, 0.02):
+      dx = by[method, lr, 0]["dx_change"]
+      assert set(dx) == layers
+      for values in dx.values():
+        assert len(values) == 4
+        assert all(math.isfinite(v) and v > 0 for v in values)
+  # For SGD, dX_updated - dX_current = -lr * dy (x^T dy) for a dense layer
+  # (likewise for a conv): at step 1 under a=0 (plain backprop, so each
+  # layer's dy does not depend on lr) the ratio is exactly proportional to
+  # lr. Stored to 4 significant digits: rtol 1e-3.
+  for layer in layers:
+    np.testing.assert_allclose(
+        by["a=0", 0.02, 0]["dx_change"][layer][0],
+        2 * by["a=0", 0.01, 0]["dx_change"][layer][0], rtol=1e-3)
+  # The top layer's dy is the loss's at the same parameters for every a:
+  # its step-1 ratio is the same under a=0 and a=1.
+  np.testing.assert_allclose(by["a=1", 0.01, 0]["dx_change"]["linear_1"][0],
+                             by["a=0", 0.01, 0]["dx_change"]["linear_1"][0],
+                             rtol=1e-3)
+  rows = results["dx_change"]
+  assert {(r["method"], r["lr"]) for r in rows} == {
+      (m, lr) for m in ("a=0", "a=1") for lr in (0.01, 0.02)}
+
+
+def test_deep_mlp_builds_and_trains(tmp_path):
+  done, out = _run(tmp_path, "--task", "deep_mlp", "--steps", "8",
+                   "--seeds", "0", "--modes", "0")
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert "Sanity check (a=0 reproduces plain): PASSED" in done.stdout
+  results = json.loads((out / "results.json").read_text())
+  assert "18 linear layers" in results["task"]
+  for r in results["runs"]:
+    assert len(r["losses"]) == 8 and all(map(math.isfinite, r["losses"]))
+    assert r["losses"][-1] < r["losses"][0]
+
+
+def test_deep_transformer_stacked_measures_each_layer(tmp_path):
+  done, out = _run(tmp_path, "--task", "deep_transformer", "--steps", "3",
+                   "--seeds", "0", "--modes", "0", "--measure-dx",
+                   "--text", str(ROOT / "README.md"))
+  assert done.returncode == 0, done.stderr[-3000:]
+  results = json.loads((out / "results.json").read_text())
+  assert "12 blocks under hk.layer_stack" in results["task"]
+  by = _by(results["runs"])
+  dx = by["a=0", results["settings"]["lr"], 0]["dx_change"]
+  # One entry per layer of each stacked module: blocks/linear[0..11] ...
+  stacked = [k for k in dx if k.startswith("blocks/linear[")]
+  assert sorted(stacked, key=report.natural_key) == [
+      f"blocks/linear[{i}]" for i in range(12)]
+  assert "blocks/multi_head_attention/query[11]" in dx
+  # hk.Embed (integer input, no dX) is left ordinary under --measure-dx.
+  assert "linear" in dx and "embed" not in dx
+  for values in dx.values():
+    assert len(values) == 3 and all(math.isfinite(v) and v > 0
+                                    for v in values)
+  first = results["runs"][0]["losses"][0]
+  assert 4 < first < 10  # About log2(256) = 8 bits before training.
+
+
+def _mode_summaries(*values, diverged=None):
+  return [{"final_smoothed_train_loss": v,
+           "diverged_at": (diverged or {}).get(i)} for i, v in
+          enumerate(values)]
+
+
+def test_compare_modes_rule():
+  per_method = {
+      "plain": _mode_summaries(1.0, 1.1, 1.2),
+      "a=0": _mode_summaries(1.0, 1.1, 1.2),
+      "a=0.5": _mode_summaries(0.5, 0.6, 0.95),   # Below a=0's best seed.
+      "a=1": _mode_summaries(0.5, 0.6, 1.05),     # Overlaps: no verdict.
+      "a=2": _mode_summaries(0.1, 0.1, math.nan, diverged={2: 5}),
+  }
+  c = report.compare_modes(per_method)
+  assert c["a=0.5"]["beats_range"] and not c["a=1"]["beats_range"]
+  assert c["a=0.5"]["paired_difference"] == pytest.approx(
+      np.mean([0.5, 0.5, 0.25]))
+  assert "mean" not in c["a=2"] and c["a=2"]["diverged_at"] == [5]
+  assert report.best_mode(c) == "a=0.5"  # Diverged runs are not eligible.
+  c = report.compare_modes({"a=0": _mode_summaries(1.0, math.nan,
+                                                   diverged={1: 3}),
+                            "a=1": _mode_summaries(2.0, 2.0)})
+  assert c["a=1"]["beats_range"] and c["a=1"]["baseline_diverged"]

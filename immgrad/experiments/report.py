@@ -11,11 +11,24 @@ Definitions, printed under every table:
 * *seconds*: the sum of the method's own step times, compilation excluded;
 * *step time ratio*: the method's median step time over plain's median, in
   the same interleaved run;
-* *sanity check*: ``current`` must reproduce plain training; it passes if
-  the per-step losses agree to a relative 1e-4 over the first 20 steps,
-  before float rounding (the two programs fuse differently) has been
-  amplified by training, and the largest difference over the whole run is
-  reported beside it.
+* *sanity check*: ``current`` (``a=0`` in a mode sweep) must reproduce
+  plain training; it passes if the per-step losses agree to a relative
+  1e-4 over the first 20 steps, before float rounding (the two programs
+  fuse differently) has been amplified by training, and the largest
+  difference over the whole run is reported beside it;
+* *a* (mode sweep): dX is computed at ``W + a * (W_new - W)``: ``a=0`` is
+  ``current`` (ordinary training), ``a=1`` is ``updated``;
+* *beats a=0 beyond the seed spread*: no seed diverged, and the method's
+  worst seed ends with a lower final smoothed training loss than a=0's
+  best seed (their ranges over seeds do not overlap). Beside it, the
+  paired difference (each seed's a=0 loss minus the method's, same
+  initialisation and batches) as mean ± standard error, flagged ``>2se``
+  when its mean exceeds twice its standard error (with 3 seeds, 2
+  degrees of freedom: a weak test, so the range rule is the verdict);
+* *dX change* (``--measure-dx``): per immediate layer and step,
+  ``|dX_updated - dX_current| / |dX_current|``, the layer's input gradient
+  from its new weights against that from its old ones, measured on the
+  method's own trajectory whatever its a (norms over the whole batch).
 """
 
 import json
@@ -83,9 +96,15 @@ def summarise(run, plain, steps: int, target: Optional[float]) -> dict:
   return out
 
 
+def reference_method(methods) -> str:
+  """The immgrad method that must reproduce plain training."""
+  return "current" if "current" in methods else "a=0"
+
+
 def sanity(runs: dict) -> dict:
-  """How closely ``current`` tracks ``plain``."""
-  a = np.asarray(runs["current"].losses, np.float64)
+  """How closely ``current`` (or ``a=0``) tracks ``plain``."""
+  reference = reference_method(runs)
+  a = np.asarray(runs[reference].losses, np.float64)
   b = np.asarray(runs["plain"].losses, np.float64)
   n = min(len(a), len(b))
   rel = np.abs(a[:n] - b[:n]) / np.maximum(np.abs(b[:n]), 1e-30)
@@ -96,7 +115,8 @@ def sanity(runs: dict) -> dict:
       "max_relative_loss_difference_whole_run":
           float(np.max(rel)) if n else math.inf,
       "max_final_parameter_difference": train_lib.max_param_difference(
-          runs["current"].final_params, runs["plain"].final_params),
+          runs[reference].final_params, runs["plain"].final_params),
+      "reference": reference,
       "passed": bool(early <= SANITY_RTOL),
   }
 
@@ -183,8 +203,7 @@ def plot(path: str, records: list[dict], steps: int, unit: str,
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
-  colors = {"plain": "tab:gray", "current": "tab:blue",
-            "updated": "tab:red"}
+  colors = _colors([r["method"] for r in records])
   fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4.2))
   labelled = set()
   for record in records:
@@ -195,7 +214,7 @@ def plot(path: str, records: list[dict], steps: int, unit: str,
     label = None if method in labelled else method
     labelled.add(method)
     style = dict(color=colors[method], alpha=0.85, lw=1.4, label=label,
-                 ls="--" if method == "current" else "-")
+                 ls="--" if method in ("current", "a=0") else "-")
     by_step.plot(np.arange(1, len(curve) + 1), curve, **style)
     by_time.plot(np.cumsum(record["seconds"]), curve, **style)
   for ax, xlabel in ((by_step, "step"), (by_time, "wall seconds (steps only)")):
@@ -207,4 +226,243 @@ def plot(path: str, records: list[dict], steps: int, unit: str,
   fig.suptitle(title, fontsize=10)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def _colors(methods) -> dict:
+  fixed = {"plain": "tab:gray", "current": "tab:blue", "updated": "tab:red",
+           "a=0": "tab:blue", "a=1": "tab:red"}
+  others = iter(["tab:orange", "tab:green", "tab:purple", "tab:brown",
+                 "tab:pink", "tab:olive", "tab:cyan", "black"] * 4)
+  out = {}
+  for m in dict.fromkeys(methods):
+    out[m] = fixed.get(m) or next(others)
+  return out
+
+
+# -- mode sweep: which a, and does any beat a=0 ---------------------------
+
+MODE_KEYS = (("final smoothed train", "final_smoothed_train_loss"),
+             ("final held-out", "final_heldout_loss"))
+
+
+def compare_modes(per_method: dict, baseline: str = "a=0",
+                  key: str = "final_smoothed_train_loss") -> dict:
+  """Each method's ``key`` over seeds, against ``baseline`` (paired).
+
+  ``per_method``: method -> summaries, in the same seed order for all.
+  """
+  base = [s.get(key) for s in per_method[baseline]]
+  base_diverged = any(s["diverged_at"] is not None
+                      for s in per_method[baseline])
+  out = {}
+  for method, summaries in per_method.items():
+    values = [s.get(key) for s in summaries]
+    diverged = [s["diverged_at"] for s in summaries
+                if s["diverged_at"] is not None]
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    row = {"values": values, "diverged_at": diverged,
+           "n": len(finite), "of": len(values)}
+    if finite and not diverged:
+      row.update(mean=float(np.mean(finite)), min=float(np.min(finite)),
+                 max=float(np.max(finite)),
+                 std=float(np.std(finite, ddof=1)) if len(finite) > 1
+                 else 0.0)
+    if method != baseline and not diverged and base_diverged:
+      # a=0 diverged on some seed and this method on none: better, though
+      # not by a loss difference.
+      row.update(beats_range=True, worse_range=False, beats_2se=False,
+                 baseline_diverged=True)
+    elif (method != baseline and not diverged and
+          len(finite) == len(base) and
+          all(v is not None and math.isfinite(v) for v in base)):
+      d = np.asarray(base, np.float64) - np.asarray(values, np.float64)
+      se = (float(np.std(d, ddof=1) / math.sqrt(len(d))) if len(d) > 1
+            else math.inf)
+      row.update(paired_difference=float(np.mean(d)), paired_se=se,
+                 # One seed has no spread: no verdict.
+                 beats_2se=bool(len(d) > 1 and np.mean(d) > 2 * se),
+                 beats_range=bool(len(d) > 1 and max(values) < min(base)),
+                 worse_range=bool(len(d) > 1 and min(values) > max(base)))
+    out[method] = row
+  return out
+
+
+def best_mode(comparison: dict) -> Optional[str]:
+  """The immgrad method (not plain) with the lowest mean, none diverged."""
+  ok = {m: r["mean"] for m, r in comparison.items()
+        if m != "plain" and "mean" in r}
+  return min(ok, key=ok.get) if ok else None
+
+
+def _value(row: dict) -> str:
+  if "mean" not in row:
+    if row["diverged_at"]:
+      return ("diverged at step " +
+              ", ".join(str(s) for s in row["diverged_at"]))
+    return "-"
+  cell = f"{row['mean']:.4g}"
+  if row["of"] > 1:
+    cell += f" ± {row['std']:.2g} [{row['min']:.4g}, {row['max']:.4g}]"
+  return cell
+
+
+def _difference(row: dict) -> str:
+  if row.get("baseline_diverged"):
+    return "a=0 diverged, this did not: **beats**"
+  if "paired_difference" not in row:
+    return "-"
+  cell = f"{row['paired_difference']:+.2g}"
+  if math.isfinite(row["paired_se"]):
+    cell += f" ± {row['paired_se']:.2g}"
+  if row["beats_range"]:
+    cell += " **beats**"
+  elif row["worse_range"]:
+    cell += " worse"
+  if row["beats_2se"]:
+    cell += " (>2se)"
+  return cell
+
+
+def mode_table(per_method: dict, unit: str, title: str) -> tuple[str, dict]:
+  """The mode sweep's table and verdicts for one set of runs."""
+  comparisons = {key: compare_modes(per_method, key=key)
+                 for _, key in MODE_KEYS}
+  rows = [title, "",
+          "| method | final smoothed train (mean ± std [min, max]) | "
+          "a=0 minus it (paired, mean ± se) | final held-out | "
+          "a=0 minus it |", "|" + " --- |" * 5]
+  train_c = comparisons["final_smoothed_train_loss"]
+  held_c = comparisons["final_heldout_loss"]
+  for method in per_method:
+    rows.append(f"| {method} | {_value(train_c[method])} | "
+                f"{_difference(train_c[method])} | "
+                f"{_value(held_c[method])} | "
+                f"{_difference(held_c[method])} |")
+  rows += ["", f"Losses in {unit}; 'beats'/'worse': the ranges over seeds "
+           "do not overlap (the rule below)."]
+  verdict = {}
+  for label, key in MODE_KEYS:
+    c = comparisons[key]
+    best = best_mode(c)
+    winners = [m for m, r in c.items()
+               if m not in ("plain", "a=0") and r.get("beats_range")]
+    verdict[key] = {"best": best, "best_mean": c[best]["mean"] if best
+                    else None, "best_spread": [c[best]["min"], c[best]["max"]]
+                    if best else None, "beat_a0_beyond_spread": winners}
+    if best is None:
+      line = f"- {label}: every a diverged on some seed"
+    else:
+      line = (f"- {label}: best {best} ({_value(c[best])}); "
+              + (f"beating a=0 beyond the seed spread: {', '.join(winners)}"
+                 if winners else "no nonzero a beats a=0 beyond the seed "
+                 "spread"))
+    rows.append(line)
+  return "\n".join(rows), {"comparisons": comparisons, "verdict": verdict}
+
+
+# -- dX change: how large the second-order term is ------------------------
+
+def natural_key(name: str):
+  """Sorts ``linear_2`` before ``linear_10`` (Haiku's creation order)."""
+  import re  # pylint: disable=g-import-not-at-top
+  return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def dx_summary(dx_change: dict, diverged_at: Optional[int],
+               last: int = 5) -> dict:
+  """A run's dX change in a few figures (over its finite measurements).
+
+  * ``first``: the largest layer's ratio at step 1;
+  * ``median``: the largest, over layers, of the layer's median over steps;
+  * ``median_sum``: the median over steps of the sum over layers (what
+    compounds through the depth);
+  * ``end``: the largest ratio in the last ``last`` steps measured (before
+    the divergence, for a run that diverged);
+  * ``argmax_layer``: the layer with the largest median.
+  """
+  names = sorted(dx_change, key=natural_key)
+  if not names:
+    return {}
+  x = np.asarray([dx_change[n] for n in names], np.float64)  # layers, steps
+  steps = x.shape[1]
+  if diverged_at is not None:  # The diverging step's own measurement too.
+    steps = min(steps, diverged_at - 1)
+  x = x[:, :max(steps, 1)]
+  x = np.where(np.isfinite(x), x, np.nan)
+  with np.errstate(all="ignore"):
+    med = np.nanmedian(x, axis=1)
+    out = {"first": float(np.nanmax(x[:, 0])),
+           "median": float(np.nanmax(med)),
+           "median_sum": float(np.nanmedian(np.nansum(x, axis=0))),
+           "end": float(np.nanmax(x[:, -last:])),
+           "argmax_layer": names[int(np.nanargmax(med))]}
+  return out
+
+
+def dx_table(rows: list[dict]) -> str:
+  """``rows``: dicts with lr, method, seeds' dx summaries and divergences."""
+  out = ["dX change |dX_updated - dX_current| / |dX_current| (see below), "
+         "mean over seeds:", "",
+         "| lr | method | diverged at | at step 1 (max layer) | median over "
+         "steps (max layer) | sum over layers (median step) | last 5 steps "
+         "before the end or divergence (max) | layer of the largest median |",
+         "|" + " --- |" * 8]
+  for r in rows:
+    s = r["summaries"]
+    mean = lambda k, s=s: (f"{np.mean([x[k] for x in s if x]):.3g}"
+                           if any(s) else "-")
+    layers = sorted({x["argmax_layer"] for x in s if x})
+    div = ", ".join(str(d) for d in r["diverged_at"]) or "no"
+    out.append(f"| {r['lr']:g} | {r['method']} | {div} | {mean('first')} | "
+               f"{mean('median')} | {mean('median_sum')} | {mean('end')} | "
+               f"{', '.join(layers)} |")
+  return "\n".join(out)
+
+
+def plot_dx(path: str, records: list[dict], title: str) -> None:
+  """dX change against step, one line per layer, one panel per lr and a."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  records = [r for r in records if r.get("dx_change")]
+  if not records:
+    return
+  seed = min(r["seed"] for r in records)
+  records = [r for r in records if r["seed"] == seed]
+  lrs = sorted({r["lr"] for r in records})
+  methods = list(dict.fromkeys(r["method"] for r in records))
+  fig, axes = plt.subplots(len(lrs), len(methods), squeeze=False,
+                           sharex=True, sharey=True,
+                           figsize=(3.6 * len(methods) + 0.6,
+                                    2.6 * len(lrs) + 0.8))
+  cmap = plt.get_cmap("viridis")
+  for r in records:
+    ax = axes[lrs.index(r["lr"])][methods.index(r["method"])]
+    names = sorted(r["dx_change"], key=natural_key)
+    for i, name in enumerate(names):
+      y = np.asarray(r["dx_change"][name], np.float64)
+      y = np.where(np.isfinite(y) & (y > 0), y, np.nan)
+      ax.plot(np.arange(1, len(y) + 1), y, lw=0.8, alpha=0.8,
+              color=cmap(i / max(1, len(names) - 1)),
+              label=name if len(names) <= 8 else None)
+    div = r["summary"]["diverged_at"]
+    if div is not None:
+      ax.axvline(div, color="red", ls="--", lw=1.2)
+      ax.text(div, 1.0, f" diverged {div}", color="red", fontsize=7,
+              transform=ax.get_xaxis_transform(), va="top")
+    ax.set_yscale("log")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.set_title(f"lr {r['lr']:g}, {r['method']}", fontsize=8)
+    if len(names) <= 8 and ax is axes[0][0]:
+      ax.legend(fontsize=6)
+  for ax in axes[-1]:
+    ax.set_xlabel("step")
+  for row in axes:
+    row[0].set_ylabel("|dX_upd - dX_cur| / |dX_cur|", fontsize=8)
+  fig.suptitle(f"{title} (seed {seed}; colour: layer by creation order, "
+               "dark first, yellow last)", fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
   plt.close(fig)

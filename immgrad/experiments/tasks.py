@@ -6,6 +6,13 @@
   Python standard library's own source files (found with ``sysconfig``), or
   any file given with ``--text``; losses in bits per byte (per character
   for ASCII text, as the standard library's source nearly all is).
+* ``deep_mlp``: the digits data, flattened, through a residual MLP of
+  ``DEEP_MLP_BLOCKS`` (16) hidden linear layers plus input and output
+  layers (18 immediate layers in a row, unrolled): where a per-layer
+  second-order effect can compound.
+* ``deep_transformer``: the chars data through a narrow 12-block
+  transformer whose blocks run under ``hk.layer_stack`` (one stacked set of
+  weights, scanned; each block steps its own slice).
 
 Both models are unmodified Haiku wrapped in ``immgrad.haiku.immediate``,
 which leaves them plain Haiku outside ``immgrad.value_and_grad``: the plain
@@ -13,6 +20,7 @@ baseline trains the very same function.
 """
 
 import dataclasses
+import functools
 import glob
 import math
 import os
@@ -61,8 +69,21 @@ def _cnn(images):
   return hk.Linear(10)(x)
 
 
-def digits() -> Task:
-  """scikit-learn's digits, 80/20 split (the split is fixed, seed 0)."""
+DEEP_MLP_BLOCKS, DEEP_MLP_WIDTH = 16, 64
+
+
+def _deep_mlp(images):
+  """Linear in, 16 residual blocks ``h + Linear(relu(h))``, linear out."""
+  h = hk.Linear(DEEP_MLP_WIDTH)(hk.Flatten()(images))
+  for _ in range(DEEP_MLP_BLOCKS):
+    # He init scaled by 1/depth: the residual stream's variance grows by
+    # about (1 + 1/16)^16 ~ e over the stack, not 2^16.
+    h = h + hk.Linear(DEEP_MLP_WIDTH, w_init=hk.initializers.VarianceScaling(
+        2.0 / DEEP_MLP_BLOCKS))(jax.nn.relu(h))
+  return hk.Linear(10)(jax.nn.relu(h))
+
+
+def _digits_data():
   from sklearn import datasets  # pylint: disable=g-import-not-at-top
   data = datasets.load_digits()
   images = (data.images / 16.0).astype(np.float32)
@@ -70,9 +91,30 @@ def digits() -> Task:
   order = np.random.default_rng(0).permutation(len(labels))
   split = int(0.8 * len(labels))
   train, test = order[:split], order[split:]
-  x_train, y_train = images[train], labels[train]
-  x_test, y_test = images[test], labels[test]
-  model = hk.without_apply_rng(hk.transform(immgrad.haiku.immediate(_cnn)))
+  return images[train], labels[train], images[test], labels[test]
+
+
+def digits() -> Task:
+  """scikit-learn's digits, 80/20 split (the split is fixed, seed 0)."""
+  return _digits_task("digits", _cnn, "Haiku CNN (conv 16, conv 32 stride 2, "
+                      "linear 64, linear 10)",
+                      {"sgd": 0.1, "momentum": 0.03, "adam": 3e-3,
+                       "adamw": 3e-3})
+
+
+def deep_mlp() -> Task:
+  """The digits through an 18-layer residual MLP (16 hidden blocks)."""
+  return _digits_task(
+      "deep_mlp", _deep_mlp,
+      f"residual Haiku MLP, {DEEP_MLP_BLOCKS + 2} linear layers (in, "
+      f"{DEEP_MLP_BLOCKS} blocks h + Linear(relu(h)), out), width "
+      f"{DEEP_MLP_WIDTH}",
+      {"sgd": 0.0125, "momentum": 0.003, "adam": 1e-3, "adamw": 1e-3})
+
+
+def _digits_task(name, forward, model_description, default_lr) -> Task:
+  x_train, y_train, x_test, y_test = _digits_data()
+  model = hk.without_apply_rng(hk.transform(immgrad.haiku.immediate(forward)))
 
   def loss_fn(params, images, labels):
     logits = model.apply(params, images)
@@ -96,42 +138,51 @@ def digits() -> Task:
       yield x_train[index], y_train[index]
 
   return Task(
-      name="digits",
+      name=name,
       description=(f"scikit-learn digits, {len(y_train)} train / "
-                   f"{len(y_test)} held-out images, Haiku CNN "
-                   "(conv 16, conv 32 stride 2, linear 64, linear 10)"),
+                   f"{len(y_test)} held-out images, {model_description}"),
       init=lambda seed: model.init(jax.random.PRNGKey(seed), x_train[:1]),
       loss_fn=loss_fn, batches=batches, evaluate=evaluate,
-      loss_unit="nats per example", loss_scale=1.0,
-      default_lr={"sgd": 0.1, "momentum": 0.03, "adam": 3e-3,
-                  "adamw": 3e-3})
+      loss_unit="nats per example", loss_scale=1.0, default_lr=default_lr)
 
 
 # -- chars ----------------------------------------------------------------
 
 SEQ, D_MODEL, HEADS, LAYERS, VOCAB = 64, 64, 4, 2, 256
+# deep_transformer: 12 narrow blocks under hk.layer_stack, shorter context.
+DEEP_SEQ, DEEP_D_MODEL, DEEP_HEADS, DEEP_LAYERS = 32, 32, 4, 12
 
 
-def _block(h, mask):
+def _block(h, mask, d_model, heads, layers):
   a = hk.LayerNorm(-1, True, True)(h)
   a = hk.MultiHeadAttention(
-      HEADS, D_MODEL // HEADS,
-      w_init=hk.initializers.VarianceScaling(1.0 / LAYERS))(a, a, a, mask)
+      heads, d_model // heads,
+      w_init=hk.initializers.VarianceScaling(1.0 / layers))(a, a, a, mask)
   h = h + a
   m = hk.LayerNorm(-1, True, True)(h)
-  m = hk.Linear(D_MODEL, w_init=hk.initializers.VarianceScaling(
-      1.0 / LAYERS))(jax.nn.gelu(hk.Linear(4 * D_MODEL)(m)))
+  m = hk.Linear(d_model, w_init=hk.initializers.VarianceScaling(
+      1.0 / layers))(jax.nn.gelu(hk.Linear(4 * d_model)(m)))
   return h + m
 
 
-def _lm(tokens):
-  mask = jnp.tril(jnp.ones((SEQ, SEQ), bool))[None, None]
-  h = hk.Embed(VOCAB, D_MODEL)(tokens)
-  h = h + hk.get_parameter("positions", (SEQ, D_MODEL),
-                           init=hk.initializers.RandomNormal(0.02))
-  for _ in range(LAYERS):
-    h = _block(h, mask)
-  return hk.Linear(VOCAB)(hk.LayerNorm(-1, True, True)(h))
+def _lm_of(seq, d_model, heads, layers, stacked):
+  """A pre-LayerNorm transformer LM; ``stacked``: blocks in hk.layer_stack."""
+
+  def lm(tokens):
+    mask = jnp.tril(jnp.ones((seq, seq), bool))[None, None]
+    h = hk.Embed(VOCAB, d_model)(tokens)
+    h = h + hk.get_parameter("positions", (seq, d_model),
+                             init=hk.initializers.RandomNormal(0.02))
+    block = functools.partial(_block, mask=mask, d_model=d_model, heads=heads,
+                              layers=layers)
+    if stacked:
+      h = hk.layer_stack(layers, name="blocks")(block)(h)
+    else:
+      for _ in range(layers):
+        h = block(h)
+    return hk.Linear(VOCAB)(hk.LayerNorm(-1, True, True)(h))
+
+  return lm
 
 
 def _stdlib_text(limit: int) -> tuple[bytes, str]:
@@ -150,23 +201,52 @@ def _stdlib_text(limit: int) -> tuple[bytes, str]:
   return b"\n".join(parts)[:limit], f"Python standard library ({root})"
 
 
-def chars(text: Optional[str] = None, limit: int = 2_000_000) -> Task:
-  """A byte-level transformer LM; the last 10% of the text is held out."""
+def chars(text: Optional[str] = None, limit: int = 2_000_000,
+          embed_immediate: bool = True) -> Task:
+  """A byte-level transformer LM; the last 10% of the text is held out.
+
+  ``embed_immediate=False`` leaves ``hk.Embed`` an ordinary layer (stepped
+  by the shim after the backward pass). Its input is integer tokens, with
+  no dX, so every mode trains it the same either way; the runner does this
+  under ``--measure-dx``, whose measurement of a layer with an integer
+  input fails in the core (a float0 input gradient).
+  """
+  return _chars_task("chars", text, limit, SEQ, D_MODEL, HEADS, LAYERS,
+                     stacked=False, embed_immediate=embed_immediate,
+                     default_lr={"sgd": 0.3, "momentum": 0.1, "adam": 3e-3,
+                                 "adamw": 3e-3})
+
+
+def deep_transformer(text: Optional[str] = None, limit: int = 2_000_000,
+                     embed_immediate: bool = True) -> Task:
+  """The chars LM, 12 narrow blocks deep, the blocks under hk.layer_stack."""
+  return _chars_task("deep_transformer", text, limit, DEEP_SEQ, DEEP_D_MODEL,
+                     DEEP_HEADS, DEEP_LAYERS, stacked=True,
+                     embed_immediate=embed_immediate,
+                     default_lr={"sgd": 0.1, "momentum": 0.1, "adam": 3e-3,
+                                 "adamw": 3e-3})
+
+
+def _chars_task(name, text, limit, seq, d_model, heads, layers, stacked,
+                default_lr, embed_immediate=True) -> Task:
   if text is None:
     data, source = _stdlib_text(limit)
   else:
     with open(text, "rb") as f:
       data, source = f.read()[:limit], text
   tokens = np.frombuffer(data, np.uint8).astype(np.int32)
-  if len(tokens) < 20 * (SEQ + 1):
+  if len(tokens) < 20 * (seq + 1):
     raise ValueError(f"the text {source!r} is too short: {len(tokens)} "
-                     f"bytes, need at least {20 * (SEQ + 1)}.")
+                     f"bytes, need at least {20 * (seq + 1)}.")
   split = int(0.9 * len(tokens))
   train, heldout = tokens[:split], tokens[split:]
-  model = hk.without_apply_rng(hk.transform(immgrad.haiku.immediate(_lm)))
+  modules = immgrad.haiku.DEFAULT_MODULES if embed_immediate else tuple(
+      m for m in immgrad.haiku.DEFAULT_MODULES if m is not hk.Embed)
+  model = hk.without_apply_rng(hk.transform(immgrad.haiku.immediate(
+      _lm_of(seq, d_model, heads, layers, stacked), modules)))
 
   def windows(stream, starts):
-    index = starts[:, None] + np.arange(SEQ + 1)[None]
+    index = starts[:, None] + np.arange(seq + 1)[None]
     chunk = stream[index]
     return chunk[:, :-1], chunk[:, 1:]
 
@@ -177,9 +257,9 @@ def chars(text: Optional[str] = None, limit: int = 2_000_000) -> Task:
 
   eval_loss = jax.jit(loss_fn)
   fixed = np.random.default_rng(0)
-  train_eval = windows(train, fixed.integers(0, len(train) - SEQ - 1, 128))
+  train_eval = windows(train, fixed.integers(0, len(train) - seq - 1, 128))
   heldout_eval = windows(heldout,
-                         fixed.integers(0, len(heldout) - SEQ - 1, 128))
+                         fixed.integers(0, len(heldout) - seq - 1, 128))
   bits = 1 / math.log(2)
 
   def evaluate(params):
@@ -189,18 +269,21 @@ def chars(text: Optional[str] = None, limit: int = 2_000_000) -> Task:
   def batches(seed, size):
     rng = np.random.default_rng(seed)
     while True:
-      yield windows(train, rng.integers(0, len(train) - SEQ - 1, size))
+      yield windows(train, rng.integers(0, len(train) - seq - 1, size))
 
   return Task(
-      name="chars",
-      description=(f"byte-level transformer LM ({LAYERS} blocks, d_model "
-                   f"{D_MODEL}, {HEADS} heads, context {SEQ}) on "
+      name=name,
+      description=(("" if embed_immediate else
+                    "[hk.Embed an ordinary layer for --measure-dx] ") +
+                   f"byte-level transformer LM ({layers} blocks"
+                   f"{' under hk.layer_stack' if stacked else ''}, d_model "
+                   f"{d_model}, {heads} heads, context {seq}) on "
                    f"{len(tokens):,} bytes of {source}, last 10% held out"),
       init=lambda seed: model.init(jax.random.PRNGKey(seed), train_eval[0]),
       loss_fn=loss_fn, batches=batches, evaluate=evaluate,
-      loss_unit="bits per byte", loss_scale=bits,
-      default_lr={"sgd": 0.3, "momentum": 0.1, "adam": 3e-3,
-                  "adamw": 3e-3})
+      loss_unit="bits per byte", loss_scale=bits, default_lr=default_lr)
 
 
-TASKS = {"digits": digits, "chars": chars}
+TASKS = {"digits": digits, "chars": chars, "deep_mlp": deep_mlp,
+         "deep_transformer": deep_transformer}
+TEXT_TASKS = ("chars", "deep_transformer")  # Those that take --text.

@@ -10,6 +10,12 @@ in the same order:
   (must track ``plain`` to float rounding);
 * ``updated``: the same with ``mode="updated"``.
 
+With a mode sweep (:func:`methods_of`) the immgrad methods are instead one
+per fraction ``a`` of the update that dX sees, named ``a=0``, ``a=0.5``...:
+``immgrad.value_and_grad(mode=a)``, ``a=0`` being ``current``. With
+``measure_dx`` every immgrad method also records, per immediate layer and
+step, ``|dX_updated - dX_current| / |dX_current|`` (``measure_dx=True``).
+
 Each step runs under ``jax.shard_map`` over all devices (the batch split
 along the data axis, parameters replicated) and is jitted with parameters
 and optimizer state donated. The methods take turns step by step, in an
@@ -38,6 +44,27 @@ METHODS = ("plain", "current", "updated")
 AXIS = "data"
 
 
+def methods_of(modes=None) -> dict:
+  """Method name -> immgrad mode (None: plain), in the order they are run.
+
+  Without ``modes``: plain, current and updated. With a list of numbers
+  ``a``: plain, then ``a=<a>`` for each (``value_and_grad(mode=a)``).
+  """
+  if modes is None:
+    return {"plain": None, "current": "current", "updated": "updated"}
+  out = {"plain": None}
+  for a in modes:
+    name = mode_name(a)
+    if name in out:
+      raise ValueError(f"mode {a:g} given twice.")
+    out[name] = float(a)
+  return out
+
+
+def mode_name(a: float) -> str:
+  return f"a={float(a):g}"
+
+
 def optimizer(name: str, lr: float) -> optax.GradientTransformation:
   if name == "sgd":
     return optax.sgd(lr)
@@ -61,11 +88,33 @@ class Run:
   diverged_at: Optional[int] = None  # First step with a non-finite loss.
   compile_seconds: float = 0.0
   final_params: Any = None  # On the host, after the last step.
+  # measure_dx: layer name -> per step |dX_updated - dX_current| / |dX_current|.
+  dx_change: Optional[dict] = None
 
 
-def _step_fn(method, task, opt, mesh):
+def layer_name(path) -> str:
+  """A parameter leaf's layer: its path without the leaf's own key.
+
+  Haiku names a module's parameters ``params[module][name]``, so this is the
+  module's name (``"linear_3"``, ``"blocks/~/multi_head_attention/query"``).
+  """
+  keys = [getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))
+          for k in path]
+  return "/".join(str(k) for k in keys[:-1]) or str(keys[-1])
+
+
+def _per_layer(dx_change) -> dict:
+  """The measurement of each immediate layer, once (from its first leaf)."""
+  out = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(dx_change)[0]:
+    out.setdefault(layer_name(path), leaf)  # None leaves are not leaves.
+  return out
+
+
+def _step_fn(method, mode, task, opt, mesh, measure_dx=False):
   """The jitted, sharded training step of ``method``, and its optimizer."""
-  if method == "plain":
+  dx_out = ()
+  if mode is None:
     tx = opt
 
     def step(params, opt_state, inputs, targets):
@@ -76,25 +125,37 @@ def _step_fn(method, task, opt, mesh):
               jax.lax.pmean(loss, AXIS))
   else:
     tx = immgrad.shim(opt, atomic=False)
-    grad_fn = immgrad.value_and_grad(task.loss_fn, tx, mode=method,
-                                     axis_name=AXIS)
+    grad_fn = immgrad.value_and_grad(task.loss_fn, tx, mode=mode,
+                                     axis_name=AXIS, measure_dx=measure_dx)
+    if measure_dx:
+      dx_out = (P(),)  # Already averaged over the axis: replicated.
 
     def step(params, opt_state, inputs, targets):
-      loss, grads = grad_fn(params, opt_state, inputs, targets)
+      loss, grads, *dx = grad_fn(params, opt_state, inputs, targets)
       updates, opt_state = tx.update(grads, opt_state, params)
+      dx = (_per_layer(dx[0]),) if measure_dx else ()
       return (optax.apply_updates(params, updates), opt_state,
-              jax.lax.pmean(loss, AXIS))
+              jax.lax.pmean(loss, AXIS), *dx)
 
   sharded = jax.shard_map(step, mesh=mesh,
                           in_specs=(P(), P(), P(AXIS), P(AXIS)),
-                          out_specs=(P(), P(), P()), check_vma=False)
+                          out_specs=(P(), P(), P()) + dx_out,
+                          check_vma=False)
   return tx, jax.jit(sharded, donate_argnums=(0, 1))
 
 
 def train(task, *, optimizer_name: str, lr: float, steps: int,
           batch_size: int, seed: int, eval_every: int,
-          progress=None) -> dict[str, Run]:
-  """Trains ``task`` with every method; returns their records."""
+          progress=None, methods: Optional[dict] = None,
+          measure_dx: bool = False) -> dict[str, Run]:
+  """Trains ``task`` with every method; returns their records.
+
+  ``methods``: name -> mode, from :func:`methods_of` (default: plain,
+  current, updated). ``measure_dx``: record each immgrad method's dX change
+  per layer and step in ``Run.dx_change``.
+  """
+  methods = methods or methods_of()
+  names = tuple(methods)
   devices = jax.devices()
   if batch_size % len(devices):
     raise ValueError(f"--batch-size {batch_size} must be a multiple of the "
@@ -106,8 +167,9 @@ def train(task, *, optimizer_name: str, lr: float, steps: int,
   batches = task.batches(seed, batch_size)
   first = next(task.batches(seed, batch_size))
   runs, state, compiled = {}, {}, {}
-  for method in METHODS:
-    tx, step = _step_fn(method, task, optimizer(optimizer_name, lr), mesh)
+  for method, mode in methods.items():
+    tx, step = _step_fn(method, mode, task, optimizer(optimizer_name, lr),
+                        mesh, measure_dx=measure_dx)
     params = jax.device_put(init, replicated)
     opt_state = jax.device_put(tx.init(init), replicated)
     start = time.perf_counter()
@@ -115,6 +177,8 @@ def train(task, *, optimizer_name: str, lr: float, steps: int,
                                   *jax.device_put(first, split)).compile()
     runs[method] = Run(method,
                        compile_seconds=time.perf_counter() - start)
+    if measure_dx and mode is not None:
+      runs[method].dx_change = {}
     state[method] = (params, opt_state)
 
   def evaluate(step_number):
@@ -126,17 +190,19 @@ def train(task, *, optimizer_name: str, lr: float, steps: int,
   evaluate(0)
   for i in range(steps):
     batch = jax.device_put(next(batches), split)
-    order = METHODS[i % 3:] + METHODS[:i % 3]
-    for method in order:
+    k = i % len(names)
+    for method in names[k:] + names[:k]:
       run = runs[method]
       if run.diverged_at is not None:
         continue
       start = time.perf_counter()
-      params, opt_state, loss = compiled[method](*state[method], *batch)
+      params, opt_state, loss, *dx = compiled[method](*state[method], *batch)
       loss = float(loss) * task.loss_scale
       run.seconds.append(time.perf_counter() - start)
       run.losses.append(loss)
       state[method] = (params, opt_state)
+      if dx:  # After the timing: the copy to the host is not the step's.
+        _record_dx(run.dx_change, jax.device_get(dx[0]))
       if not math.isfinite(loss):
         run.diverged_at = i + 1
     if (i + 1) % eval_every == 0 or i + 1 == steps:
@@ -145,9 +211,20 @@ def train(task, *, optimizer_name: str, lr: float, steps: int,
       progress.update(1)
       progress.set_postfix({m: f"{r.losses[-1]:.3f}" if r.losses else "-"
                             for m, r in runs.items()})
-  for method in METHODS:
+  for method in names:
     runs[method].final_params = jax.device_get(state[method][0])
   return runs
+
+
+def _record_dx(record: dict, measured: dict) -> None:
+  """Appends one step's measurements; a stacked layer's one per index."""
+  for name, value in measured.items():
+    value = np.asarray(value, np.float64)
+    if value.ndim == 0:
+      record.setdefault(name, []).append(float(value))
+    else:
+      for index, v in enumerate(value.reshape(-1)):
+        record.setdefault(f"{name}[{index}]", []).append(float(v))
 
 
 def max_param_difference(a: Any, b: Any) -> float:
