@@ -247,8 +247,8 @@ def test_deep_transformer_stacked_measures_each_layer(tmp_path):
   assert sorted(stacked, key=report.natural_key) == [
       f"blocks/linear[{i}]" for i in range(12)]
   assert "blocks/multi_head_attention/query[11]" in dx
-  # hk.Embed (integer input, no dX) is left ordinary under --measure-dx.
-  assert "linear" in dx and "embed" not in dx
+  # hk.Embed's input is integer tokens: no dX, so nothing to change.
+  assert "linear" in dx and dx.pop("embed") == [0.0] * 3
   for values in dx.values():
     assert len(values) == 3 and all(math.isfinite(v) and v > 0
                                     for v in values)

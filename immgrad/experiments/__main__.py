@@ -97,10 +97,7 @@ def main(argv=None):
   if jax.device_count() < args.devices:
     raise SystemExit(f"immgrad.experiments: --devices {args.devices}, but "
                      f"only {jax.device_count()} are available.")
-  # --measure-dx: hk.Embed (integer input, no dX) is left an ordinary layer;
-  # every mode trains it alike either way (see tasks.chars).
-  task = (tasks_lib.TASKS[args.task](args.text,
-                                     embed_immediate=not args.measure_dx)
+  task = (tasks_lib.TASKS[args.task](args.text)
           if args.task in tasks_lib.TEXT_TASKS else tasks_lib.TASKS[args.task]())
   modes = None
   if args.mode_sweep or args.modes:

@@ -201,34 +201,25 @@ def _stdlib_text(limit: int) -> tuple[bytes, str]:
   return b"\n".join(parts)[:limit], f"Python standard library ({root})"
 
 
-def chars(text: Optional[str] = None, limit: int = 2_000_000,
-          embed_immediate: bool = True) -> Task:
-  """A byte-level transformer LM; the last 10% of the text is held out.
-
-  ``embed_immediate=False`` leaves ``hk.Embed`` an ordinary layer (stepped
-  by the shim after the backward pass). Its input is integer tokens, with
-  no dX, so every mode trains it the same either way; the runner does this
-  under ``--measure-dx``, whose measurement of a layer with an integer
-  input fails in the core (a float0 input gradient).
-  """
+def chars(text: Optional[str] = None, limit: int = 2_000_000) -> Task:
+  """A byte-level transformer LM; the last 10% of the text is held out."""
   return _chars_task("chars", text, limit, SEQ, D_MODEL, HEADS, LAYERS,
-                     stacked=False, embed_immediate=embed_immediate,
+                     stacked=False,
                      default_lr={"sgd": 0.3, "momentum": 0.1, "adam": 3e-3,
                                  "adamw": 3e-3})
 
 
-def deep_transformer(text: Optional[str] = None, limit: int = 2_000_000,
-                     embed_immediate: bool = True) -> Task:
+def deep_transformer(text: Optional[str] = None,
+                     limit: int = 2_000_000) -> Task:
   """The chars LM, 12 narrow blocks deep, the blocks under hk.layer_stack."""
   return _chars_task("deep_transformer", text, limit, DEEP_SEQ, DEEP_D_MODEL,
                      DEEP_HEADS, DEEP_LAYERS, stacked=True,
-                     embed_immediate=embed_immediate,
                      default_lr={"sgd": 0.1, "momentum": 0.1, "adam": 3e-3,
                                  "adamw": 3e-3})
 
 
 def _chars_task(name, text, limit, seq, d_model, heads, layers, stacked,
-                default_lr, embed_immediate=True) -> Task:
+                default_lr) -> Task:
   if text is None:
     data, source = _stdlib_text(limit)
   else:
@@ -240,10 +231,8 @@ def _chars_task(name, text, limit, seq, d_model, heads, layers, stacked,
                      f"bytes, need at least {20 * (seq + 1)}.")
   split = int(0.9 * len(tokens))
   train, heldout = tokens[:split], tokens[split:]
-  modules = immgrad.haiku.DEFAULT_MODULES if embed_immediate else tuple(
-      m for m in immgrad.haiku.DEFAULT_MODULES if m is not hk.Embed)
   model = hk.without_apply_rng(hk.transform(immgrad.haiku.immediate(
-      _lm_of(seq, d_model, heads, layers, stacked), modules)))
+      _lm_of(seq, d_model, heads, layers, stacked))))
 
   def windows(stream, starts):
     index = starts[:, None] + np.arange(seq + 1)[None]
@@ -273,9 +262,7 @@ def _chars_task(name, text, limit, seq, d_model, heads, layers, stacked,
 
   return Task(
       name=name,
-      description=(("" if embed_immediate else
-                    "[hk.Embed an ordinary layer for --measure-dx] ") +
-                   f"byte-level transformer LM ({layers} blocks"
+      description=(f"byte-level transformer LM ({layers} blocks"
                    f"{' under hk.layer_stack' if stacked else ''}, d_model "
                    f"{d_model}, {heads} heads, context {seq}) on "
                    f"{len(tokens):,} bytes of {source}, last 10% held out"),
