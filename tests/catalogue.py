@@ -257,7 +257,6 @@ PRNG_STATE = {"noisy_sgd", "add_noise"}
 SEMANTIC = {
     "apply_if_finite": "skips every parameter's step when any gradient is "
                        "not finite",
-    "MultiSteps": "skips or emits the whole tree's step together",
     "flatten": "keeps one state for all parameters, concatenated",
     "snapshot": "keeps a measurement of the whole tree in its state",
     "monitor": "keeps measurements of the whole tree in its state (and "
