@@ -62,14 +62,12 @@ import os
 import subprocess
 import sys
 import time
-import traceback
 import typing
 import warnings
 from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import optax.contrib
 from jax import lax
