@@ -17,13 +17,13 @@ from immgrad._src.shim import shim as shim
 from immgrad._src.shim import shim_state_from_optax as shim_state_from_optax
 from immgrad._src.shim import shim_state_to_optax as shim_state_to_optax
 
-from immgrad import haiku as haiku  # pylint: disable=g-bad-import-order
-
-
 
 def __getattr__(name):
-  """``immgrad.flax`` and ``immgrad.equinox``: optional, imported on use."""
-  if name in ("flax", "equinox"):
+  """``immgrad.haiku``, ``immgrad.flax``, ``immgrad.equinox``: imported on use.
+
+  So ``import immgrad`` loads no model library.
+  """
+  if name in ("haiku", "flax", "equinox"):
     import importlib  # pylint: disable=g-import-not-at-top
     return importlib.import_module(f"immgrad.{name}")
   raise AttributeError(f"module 'immgrad' has no attribute {name!r}")
@@ -41,7 +41,6 @@ __all__ = (
     "Stepped",
     "checkpoint",
     "clip_by_layer_norm",
-    "haiku",
     "immediate_layer",
     "restore_checkpoint",
     "save_checkpoint",
