@@ -103,8 +103,8 @@ def main(argv=None) -> int:
 
 
 def table(results) -> str:
-  """The README's table: ratios to plain training (and, for atomic steps,
-  to plain training with apply_if_finite), plain's absolute figures."""
+  """The table in docs/costs.md: ratios to plain training (and, for atomic
+  steps, to plain training with apply_if_finite), plain's absolute figures."""
   rows = ["| model | method | FLOPs | peak memory | step time | compile time "
           "| memory / apply_if_finite | step time / apply_if_finite |",
           "| --- | --- | --- | --- | --- | --- | --- | --- |"]

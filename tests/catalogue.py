@@ -48,7 +48,7 @@ the shim supports).
 
 Script use::
 
-  python tests/catalogue.py --readme           # the README's table
+  python tests/catalogue.py --readme           # docs/optimizer.md's table
   python tests/catalogue.py --json OUT.json    # results, this process' dtype
   python tests/catalogue.py --readme --results OUT.json  # table of those
 """
@@ -773,7 +773,7 @@ def _record(r, run, value):
 
 
 # ---------------------------------------------------------------------------
-# Classification and the README table.
+# Classification and the table in docs/optimizer.md (once in the README).
 
 
 SILENT = "silently wrong"
@@ -834,7 +834,7 @@ def _why(message: str) -> str:
   return message[i:]
 
 
-# Hand-written notes for the README (what a reader needs to know).
+# Hand-written notes for the table (what a reader needs to know).
 NOTES = {
     "contrib.scale_by_muon": "rank >= 2 parameters only: tried on the "
                              "matrices, masked",
@@ -844,7 +844,7 @@ NOTES = {
 
 
 def note(name: str, r: dict, st: Optional[str]) -> str:
-  """The README note for one case (no numbers: stable across machines)."""
+  """The table's note for one case (no numbers: stable across machines)."""
   rule = r["rule"]
   parts = []
   if r.get("aliases"):
@@ -880,7 +880,7 @@ README_MARKERS = ("<!-- catalogue table: python tests/catalogue.py --readme -->"
 
 
 def readme_table(results=None) -> str:
-  """The README's table: rule | status | note, grouped by status."""
+  """docs/optimizer.md's table: rule | status | note, grouped by status."""
   if results is None:
     results = results_in_subprocess("float64")
   statuses = classify(results)
@@ -946,7 +946,7 @@ def results_in_subprocess(dtype: str, only_accepted: bool = False) -> dict:
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--readme", action="store_true",
-                      help="print the README table")
+                      help="print the table of docs/optimizer.md")
   parser.add_argument("--json", metavar="OUT",
                       help="write results (this process' dtype) to OUT")
   parser.add_argument("--only-accepted", action="store_true",

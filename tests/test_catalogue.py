@@ -172,13 +172,16 @@ def test_float64_stays_in_its_process(results):
   assert jax.numpy.ones(()).dtype == jax.numpy.float32
 
 
-def test_readme_table_is_the_catalogue(results):
-  """README.md holds ``catalogue.readme_table()`` between the markers."""
-  path = os.path.join(os.path.dirname(__file__), os.pardir, "README.md")
+def test_docs_table_is_the_catalogue(results):
+  """docs/optimizer.md holds ``catalogue.readme_table()`` between markers."""
+  path = os.path.join(os.path.dirname(__file__), os.pardir, "docs",
+                      "optimizer.md")
   with open(path) as f:
     text = f.read()
   start, end = catalogue.README_MARKERS
-  assert start in text and end in text, "README lacks the table markers"
+  assert start in text and end in text, (
+      "docs/optimizer.md lacks the table markers")
   table = text.split(start, 1)[1].split(end, 1)[0].strip("\n") + "\n"
   assert table == catalogue.readme_table(results["float64"]), (
-      "README table is stale: run `python tests/catalogue.py --readme`")
+      "docs/optimizer.md's table is stale: run "
+      "`python tests/catalogue.py --readme`")

@@ -10,7 +10,7 @@ shapes. Keys are paths, not positions, so params saved from a plain Haiku
 model load into the same model made immediate, and back. It gathers every
 array onto one host and writes synchronously: sharded, multi-host or
 asynchronous checkpoints are orbax-checkpoint's, on the same pytrees
-(tested in ``tests/test_orbax.py``; the README's "Checkpoints").
+(tested in ``tests/test_orbax.py``; docs/checkpoints.md).
 
 Writes are atomic: the archive is written to a temporary file in the same
 folder and renamed over the target, so a crash never leaves a torn file.

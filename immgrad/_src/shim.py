@@ -302,7 +302,7 @@ def shim(tx: optax.GradientTransformation, *,
     tx: an optax transformation that acts on each parameter separately
       (sgd, momentum, adam, adamw, lion, rmsprop, adafactor, schedules,
       ``optax.inject_hyperparams``, masks, ``multi_transform``, chains of
-      these: the README's catalogue lists every optax rule).
+      these: docs/optimizer.md's catalogue lists every optax rule).
     atomic: reject a step with any non-finite value, whole (see above).
 
   Returns:
