@@ -8,7 +8,7 @@ over simulated CPU devices, then prints a results table and writes
 update that dX sees (``mode=a``), compared with ``a=0``; with
 ``--measure-dx`` each immgrad layer's dX change is recorded per step and
 plotted (``dx_change.png``). See ``python -m immgrad.experiments --help``
-and docs/faster.md and docs/between-modes.md.
+and the README's "Does it train faster?" and "Between the modes".
 """
 
 import argparse
