@@ -28,7 +28,9 @@ def blocks(path):
   return [(m.group(3), m.group(2)) for m in BLOCK.finditer(path.read_text())]
 
 
+@pytest.fixture(scope="module")
 def readme_scope():
+  """The names the README's training step leaves (run once: it compiles)."""
   code, reason = blocks(ROOT / "README.md")[0]
   assert reason is None
   scope = {}
@@ -50,14 +52,15 @@ def test_the_pages_have_runnable_examples():
 
 
 @pytest.mark.parametrize("page", PAGES)
-def test_page_examples_run(page, tmp_path, monkeypatch):
+def test_page_examples_run(page, readme_scope, tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)  # An example that writes files writes here.
-  scope = readme_scope()
+  scope = dict(readme_scope)  # Each page continues the README on its own.
   for code, reason in blocks(DOCS / page):
     if reason is not None:
       continue
     try:
-      exec(compile(code, f"docs/{page}", "exec"), scope)  # pylint: disable=exec-used
+      # pylint: disable-next=exec-used
+      exec(compile(code, f"docs/{page}", "exec"), scope)
     except ModuleNotFoundError as e:
       if e.name and e.name.split(".")[0] in OPTIONAL:
         pytest.skip(f"docs/{page} needs {e.name}, which is not installed")
