@@ -630,15 +630,6 @@ def test_nnx_layer_norm_with_custom_promote_dtype_is_refused():
     _step_of(loss_fn, params, jnp.ones((2, 4)))
 
 
-def test_nnx_embed_with_out_sharding_is_refused():
-  model = nnx.Embed(5, 3, rngs=nnx.Rngs(0))
-  graphdef, params = nnx.split(model, nnx.Param)
-  loss_fn = lambda p, i: jnp.sum(nnx.merge(graphdef, p)(
-      i, out_sharding=jax.sharding.PartitionSpec()))
-  with pytest.raises(ValueError, match="nnx.Embed.*out_sharding"):
-    _step_of(loss_fn, params, jnp.zeros((2,), jnp.int32))
-
-
 def test_tied_embedding_is_refused():
   """``Embed`` and ``Embed.attend`` on one table: JAX would add the two."""
 

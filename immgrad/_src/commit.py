@@ -139,32 +139,53 @@ def commit_layers(levels: list, grad, state, old_writes, weights, ok):
 def all_finite(tree: Any) -> jax.Array:
   """Whether every float value in ``tree`` is finite, as one bool.
 
-  With as few reductions as the shapes allow: arrays of one shape (a
-  weight, its gradient, its moments) are checked together, and so are
-  those whose shape broadcasts to a larger one's (a bias to its weight).
-  XLA compiles each reduction on its own, and a reduction per array made
-  the check most of an atomic step's compile time.
+  With as few reductions as the shapes allow: arrays of one shape and
+  sharding (a weight, its gradient, its moments) are checked together, and
+  so are those that broadcast to a larger one without a sharding conflict
+  (a bias to its weight). XLA compiles each reduction on its own, and a
+  reduction per array made the check most of an atomic step's compile
+  time. Under a mesh with ``Explicit`` axes, arrays sharded differently
+  are never combined elementwise, which JAX would refuse.
   """
-  groups = {}  # Shape -> the elementwise "is finite" of its arrays.
+  groups = {}  # (shape, sharding) -> the elementwise "is finite".
   for x in jax.tree.leaves(tree):
     if jnp.issubdtype(jnp.result_type(x), jnp.inexact):
-      shape = jnp.shape(x)
+      key = (jnp.shape(x), _spec(x))
       finite = jnp.isfinite(x)
-      groups[shape] = finite if shape not in groups else (
-          groups[shape] & finite)
+      groups[key] = finite if key not in groups else groups[key] & finite
   checks = []
-  for shape in sorted(groups, key=math.prod, reverse=True):
-    if shape not in groups:  # Merged into a larger shape's check already.
+  for key in sorted(groups, key=lambda k: math.prod(k[0]), reverse=True):
+    if key not in groups:  # Merged into a larger array's check already.
       continue
-    finite = groups.pop(shape)
-    for small in [s for s in groups if _broadcasts(s, shape)]:
+    finite = groups.pop(key)
+    for small in [k for k in groups if _broadcasts(k, key)]:
       finite = finite & groups.pop(small)
     checks.append(jnp.all(finite))
   return jnp.all(jnp.stack(checks)) if checks else jnp.asarray(True)
 
 
+def _spec(x) -> tuple:
+  """``x``'s explicit sharding, one entry per axis (None: not sharded).
+
+  Only axes of an ``Explicit`` mesh appear in an array's type; under an
+  ``Auto`` mesh, or none, every entry is None.
+  """
+  spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+  spec = tuple(spec or ())
+  return spec + (None,) * (jnp.ndim(x) - len(spec))
+
+
 def _broadcasts(small: tuple, big: tuple) -> bool:
+  """Whether array ``small`` ANDs into ``big``, both ``(shape, spec)``.
+
+  The result must have ``big``'s shape and sharding: each of ``small``'s
+  axes is unsharded or sharded as ``big``'s axis it lines up with.
+  """
+  (small_shape, small_spec), (big_shape, big_spec) = small, big
   try:
-    return np.broadcast_shapes(small, big) == big
+    if np.broadcast_shapes(small_shape, big_shape) != big_shape:
+      return False
   except ValueError:
     return False
+  aligned = big_spec[len(big_spec) - len(small_spec):]
+  return all(s is None or s == b for s, b in zip(small_spec, aligned))

@@ -26,44 +26,69 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 
+from immgrad._src import callsite
 from immgrad._src.compat import get_opaque_trace_state
 
 
 _NOT_A_PARAMETER = (
     "immediate layer {layer!r} got params{where} that is not a parameter "
-    "leaf given to immgrad.value_and_grad. Pass the parameter itself, "
-    "unchanged: no cast, scale, arithmetic or slicing between the params "
-    "tree and the layer (a cast belongs inside the layer: "
-    "immediate_layer(compute_dtype=...); a Haiku custom getter that casts "
-    "parameters makes such a copy too), and no JAX or Haiku transformation "
-    "that hands the layer a copy (jit, cond, a loop, or vmap with the "
-    "parameters mapped; hk.jit, hk.cond, ...). Stacked layers: immgrad.scan (in Haiku, hk.layer_stack "
-    "inside immgrad.haiku.immediate). Rematerialisation: immgrad.checkpoint "
-    "(in Haiku, hk.remat inside immgrad.haiku.immediate).")
+    "leaf given to immgrad.value_and_grad but a value computed from one (a "
+    "cast, slice or reparametrisation such as weight standardisation, or a "
+    "copy made by a transformation). Its step would be applied through that "
+    "computation. Pass the parameter itself (a cast belongs inside the "
+    "layer: immediate_layer(compute_dtype=...)), or leave the layer's module "
+    "out of `modules=` so that it trains ordinarily.")
 
 _NESTED = (
     "immediate layer {layer!r} was called on parameter {path} inside a "
-    "transformation within the loss that does not pass the parameter in: "
-    "lax.scan, lax.cond/switch, a while/fori loop, an inner jit, "
-    "jax.checkpoint, a vmap that maps none of the layer's inputs, or "
-    "Haiku's hk.scan, hk.cond, hk.switch, hk.jit, hk.fori_loop. Its weight "
-    "update must run exactly once per step, which JAX does not promise "
-    "there: a loop body runs it once per iteration, each stepping the "
-    "weights again; a branch may not run it at all. (Under jax.vmap or "
-    "hk.vmap a layer whose input is mapped is fine: one step on the whole "
-    "batch.) Call the layer at "
-    "the top level of the loss. Stacked layers: pass the stacked "
-    "parameters as xs of immgrad.scan (in Haiku, hk.layer_stack inside "
-    "immgrad.haiku.immediate, or immgrad.haiku.layer_stack). "
-    "Rematerialisation: pass them as arguments of immgrad.checkpoint (in "
-    "Haiku, hk.remat inside immgrad.haiku.immediate).")
+    "transformation within the loss, {found}, which does not pass the "
+    "parameter in. {why}")
+
+# Per transformation found: why its layers cannot step there, and the fix.
+_NESTED_FIX = {
+    "lax.scan": (
+        "A loop body would step the weights once per iteration. Pass stacked "
+        "parameters as xs of immgrad.scan (Haiku: hk.layer_stack inside "
+        "immgrad.haiku.immediate), or call the layer outside the loop."),
+    "lax.cond": (
+        "A branch may not run, leaving the weights unstepped. Call the layer "
+        "outside the branch, or leave its module out of `modules=` so that it "
+        "trains ordinarily."),
+    "jax.jit": (
+        "Call the layer outside the inner jit: one jit around the whole "
+        "training step is enough."),
+    "jax.checkpoint": (
+        "Use immgrad.checkpoint, which passes the parameters in (Haiku: "
+        "hk.remat inside immgrad.haiku.immediate)."),
+    "jax.vmap": (
+        "This vmap maps none of the layer's inputs (such as "
+        "jax.vmap(self.position)(jnp.arange(n)) inside a vmapped model). "
+        "Compute it outside the vmapped model, or read the weight directly "
+        "(self.position.weight), which trains ordinarily."),
+    None: (
+        "Its weight update must run exactly once per step. Call the layer at "
+        "the top level of the loss; for stacked layers use immgrad.scan, for "
+        "rematerialisation immgrad.checkpoint."),
+}
+for _loop in ("lax.fori_loop", "lax.map", "lax.while_loop"):
+  _NESTED_FIX[_loop] = _NESTED_FIX["lax.scan"]
+_NESTED_FIX["lax.switch"] = _NESTED_FIX["lax.cond"]
 
 _TWICE = (
     "parameter {path} reaches two immediate layer calls ({first!r} and "
-    "{second!r}) in one step. Each would step the weights from its own part "
-    "of the gradient, and one update cannot honour both. Give each call its "
-    "own parameter, or use an ordinary (undecorated) layer for shared "
-    "weights.")
+    "{second!r}) in one step, as tied weights do. One update cannot honour "
+    "both parts of its gradient. Give each call its own parameter, or let "
+    "the shared one train ordinarily: leave its module out of `modules=` "
+    "(adapters), or do not decorate one of the calls.")
+
+
+def nested_error(layer: str, path: str) -> ValueError:
+  """The error for a layer called inside a transformation within the loss."""
+  found, where = callsite.enclosing_transformation()
+  name = "an unrecognised one" if found is None else (
+      found if where is None else f"{found} called at {where}")
+  return ValueError(_NESTED.format(layer=layer, path=path, found=name,
+                                   why=_NESTED_FIX[found]))
 
 
 @dataclasses.dataclass(eq=False)
@@ -163,7 +188,7 @@ class Step:
       slot = step._by_id.get(id(leaf))  # pylint: disable=protected-access
       if slot is not None:
         if step is not self or get_opaque_trace_state() != self._trace:
-          raise ValueError(_NESTED.format(layer=user, path=slot.path))
+          raise nested_error(user, slot.path)
         return slot
       step = step.parent
     return None

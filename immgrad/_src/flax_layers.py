@@ -318,11 +318,15 @@ def _check_ids(ids):
   return ids
 
 
-def _lookup(module, promote):
+def _lookup(module, promote, out_sharding=None):
   def lookup(ids, p):
     (embedding,) = promote(p["embedding"])
     if module.num_embeddings == 1:
       return jnp.broadcast_to(embedding, ids.shape + (module.features,))
+    if out_sharding is not None:  # As nnx.Embed does: jnp.take has none.
+      take = lambda e, i: jnp.take(e, i, axis=0)
+      return jax.sharding.auto_axes(take, out_sharding=out_sharding)(
+          embedding, ids)
     return jnp.take(embedding, ids, axis=0)
   return lookup
 
@@ -330,12 +334,9 @@ def _lookup(module, promote):
 def nnx_embed(module: nnx.Embed, original, inputs, out_sharding=None):
   """``nnx.Embed.__call__`` (``attend`` stays ordinary)."""
   del original
-  if out_sharding is not None:
-    _refuse(_nnx_name(module), "out_sharding",
-            "nnx.Embed then gathers through jax.sharding.auto_axes")
   promote = lambda e: module.promote_dtype((e,), dtype=module.dtype,
                                            inexact=False)
-  return _apply(_nnx_name(module), _lookup(module, promote),
+  return _apply(_nnx_name(module), _lookup(module, promote, out_sharding),
                 _check_ids(inputs), _nnx_params(module, "embedding"))
 
 

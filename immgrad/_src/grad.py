@@ -38,10 +38,12 @@ _MODES = {"current": 0.0, "updated": 1.0}
 
 _MIXED = (
     "parameter {path} is used by immediate layer {layer!r} and also by an "
-    "ordinary operation in the loss (e.g. tied weights, a regulariser, or a "
-    "second undecorated use). The layer would step it, and take dX, from "
-    "its own part of the gradient only. Use it in one way only: decorate "
-    "every use (each with its own parameter), or none.")
+    "ordinary operation in the loss: tied weights (an embedding reused for "
+    "the logits) or a term such as an L2 penalty. The layer would step it "
+    "from its own part of the gradient only. For weight decay, drop the "
+    "loss term and use optax.add_decayed_weights or optax.adamw; for tied "
+    "weights, leave that layer's module class out of `modules=` (adapters) "
+    "or do not decorate it, so that the parameter trains ordinarily.")
 
 
 def value_and_grad(fun: Callable[..., Any], tx: optax.GradientTransformation,
