@@ -31,7 +31,9 @@ import jax.numpy as jnp
 import optax
 
 from immgrad._src import axes
+from immgrad._src import base
 from immgrad._src import context
+from immgrad._src import refusal
 from immgrad._src import shim as shim_lib
 
 _MODES = {"current": 0.0, "updated": 1.0}
@@ -111,7 +113,7 @@ def value_and_grad(fun: Callable[..., Any], tx: optax.GradientTransformation,
     1.9114
   """
   dx_at = _dx_at(mode)
-  if not isinstance(tx, shim_lib.ShimTransformation):
+  if not isinstance(tx, base.ShimTransformation):
     raise TypeError(
         "immgrad.value_and_grad: tx must be the optimizer from "
         f"immgrad.shim(...), got {tx!r}. Wrap your optax optimizer: "
@@ -125,7 +127,7 @@ def value_and_grad(fun: Callable[..., Any], tx: optax.GradientTransformation,
     keyed, treedef = jax.tree_util.tree_flatten_with_path(params)
     paths = [jax.tree_util.keystr(path) for path, _ in keyed]
     leaves = [leaf for _, leaf in keyed]
-    plan = shim_lib.cut(tx.inner, params)
+    plan = refusal.cut(tx.inner, params)
     state = shim_lib.state_leaves(plan, opt_state)
     states = [[state[k] for k in leaf.reads] for leaf in plan.leaves]
     shapes = jax.tree.map(
@@ -160,12 +162,12 @@ def value_and_grad(fun: Callable[..., Any], tx: optax.GradientTransformation,
       if slot.layer is not None and slot.ordinary:
         raise ValueError(_MIXED.format(path=slot.path, layer=slot.layer))
       if slot.layer is not None and slot.stepped:
-        grads.append(shim_lib.ImmediateGrad(
+        grads.append(base.ImmediateGrad(
             dws[i], nonfinite if tx.atomic else None, slot.layer_axes))
       elif slot.ordinary:
         grads.append(axes.mean_of_cotangent(cts[i], leaves[i], axis_name))
       else:  # Untouched this step: keep its weights and state.
-        grads.append(shim_lib.Stepped(leaves[i]))
+        grads.append(base.Stepped(leaves[i]))
     grads = treedef.unflatten(grads)
     value = (value, aux[0]) if has_aux else value
     if measure_dx:

@@ -22,14 +22,14 @@ step writes nothing, and a clean one updates the weights and state in
 place, as plain training does.
 
 So ``tx`` must act on each parameter on its own. ``plan.py`` follows the
-data flow of ``tx.update`` and refuses a transformation that mixes
-parameters (``clip_by_global_norm``, ``MultiSteps``, ``apply_if_finite``, a
+data flow of ``tx.update``, and ``refusal.py`` refuses a transformation
+that mixes parameters (``clip_by_global_norm``, ``MultiSteps``, ``apply_if_finite``, a
 global estimate kept in the state) with an error naming it, instead of
 letting it silently do something else.
 """
 
 import functools
-from typing import Any, NamedTuple, Optional
+from typing import Any
 
 import chex
 import jax
@@ -39,213 +39,11 @@ from jax import lax
 
 from immgrad._src import commit as commit_lib
 from immgrad._src import plan as plan_lib
-
-
-class ShimState(NamedTuple):
-  """State of :func:`shim`.
-
-  Attributes:
-    inner: ``tx``'s state, exactly as plain optax keeps it
-      (``tx.init(params)``).
-    rejected: how many steps were rejected as non-finite (int32).
-  """
-  inner: Any
-  rejected: chex.Array
-
-
-class Stepped(NamedTuple):
-  """A leaf of the tree from ``immgrad.value_and_grad`` that is already done.
-
-  ``immgrad.value_and_grad`` gives one for a parameter the step did not use
-  (its old value and state: kept bit for bit); the shim also accepts one
-  with a new value computed elsewhere.
-
-  Attributes:
-    params: the parameter's new value.
-    state: None (the state this parameter owns is kept), or its new values,
-      in the order ``tx``'s program for it writes them.
-  """
-  params: chex.Array
-  state: Any = None
-
-
-@jax.tree_util.register_pytree_node_class
-class ImmediateGrad:
-  """A leaf of the tree from ``immgrad.value_and_grad``: a stepped gradient.
-
-  The immediate layer that used the parameter has already stepped it with
-  this gradient in the backward pass (for ``dX``, and to check the step);
-  the shim commits that step.
-
-  Attributes:
-    grad: the parameter's gradient, averaged over ``axis_name``.
-    nonfinite: how many immediate layer calls of the step found a
-      non-finite gradient, new weight or new state (the same scalar for
-      every parameter of the step), or None if the step was not checked
-      (a shim with ``atomic=False``).
-    layer_axes: how many leading layer axes ``immgrad.scan`` split the
-      parameter over (0 for an unstacked one): the step is taken per layer.
-  """
-
-  def __init__(self, grad, nonfinite=None, layer_axes: int = 0):
-    self.grad = grad
-    self.nonfinite = nonfinite
-    self.layer_axes = layer_axes
-
-  def tree_flatten(self):
-    return (self.grad, self.nonfinite), self.layer_axes
-
-  @classmethod
-  def tree_unflatten(cls, layer_axes, children):
-    return cls(*children, layer_axes)
-
-  def __repr__(self):
-    return (f"ImmediateGrad(grad={self.grad!r}, nonfinite={self.nonfinite!r}, "
-            f"layer_axes={self.layer_axes})")
-
-
-class ShimTransformation(optax.GradientTransformation):
-  """An ``optax.GradientTransformation`` that also knows its inner ``tx``."""
-
-  @property
-  def inner(self) -> optax.GradientTransformation:
-    """The per-parameter rule that immediate layers apply."""
-    return self._inner
-
-  @property
-  def atomic(self) -> bool:
-    """Whether a step with any non-finite value is rejected whole."""
-    return self._atomic
-
-
-_NOT_SEPARABLE = (
-    "immgrad.shim({name}): this transformation does not act on each "
-    "parameter separately ({why}). Immediate layers step each layer as soon "
-    "as its gradient exists, before the other gradients do, so a rule that "
-    "needs the whole gradient tree (clip_by_global_norm, MultiSteps, "
-    "apply_if_finite, ...) cannot run there. Use a per-parameter rule "
-    "instead, e.g. optax.clip or optax.clip_by_block_rms for clipping.")
-
-_GENERIC = ("", "init_empty_state", "with_extra_args_support")
-
-
-def _fn_name(fn) -> str:
-  """The optax factory that made ``fn``, looking through generic wrappers."""
-  name = getattr(fn, "__qualname__", "").split(".<locals>")[0]
-  name = name.removesuffix(".init").removesuffix(".update")
-  if name not in _GENERIC:
-    return name
-  for value in _closure(fn):
-    if callable(value) and (inner := _fn_name(value)) not in _GENERIC:
-      return inner
-  return name
-
-
-def _name(tx: optax.GradientTransformation) -> str:
-  for fn in (tx.update, tx.init):
-    if (name := _fn_name(fn)) not in _GENERIC:
-      return name
-  return repr(tx)
-
-
-def _closure(fn) -> list:
-  values = []
-  for cell in getattr(fn, "__closure__", None) or ():
-    try:
-      values.append(cell.cell_contents)
-    except ValueError:  # An empty cell.
-      pass
-  return values
-
-
-_PROBE = {"a": jax.ShapeDtypeStruct((4, 3), jnp.float32),
-          "b": jax.ShapeDtypeStruct((5,), jnp.float32)}
-
-
-def _why_not_separable(tx: optax.GradientTransformation,
-                       params: Any) -> Optional[str]:
-  """Why ``tx`` has no per-parameter cut for ``params``, or None.
-
-  Structural, not numerical (``plan.py`` follows the data flow): a
-  numerical probe would miss a global-norm clip that happens not to
-  trigger on it (after adam, say).
-  """
-  try:
-    plan_lib.make(tx, params)
-  except plan_lib.NotSeparable as e:
-    return str(e)
-  return None
-
-
-def _applies_to(tx, params) -> bool:
-  """Whether ``tx`` runs at all on a tree shaped like ``params``."""
-  try:
-    state = jax.eval_shape(tx.init, params)
-    jax.eval_shape(tx.update, params, state, params)
-  except Exception:  # pylint: disable=broad-except
-    return False
-  return True
-
-
-def _parts(tx: optax.GradientTransformation) -> list:
-  """The transformations ``tx`` is built from, as far as its closures say.
-
-  Only used to name the culprit in an error; ``optax.chain`` keeps its
-  parts' init and update functions in two tuples, wrappers keep the inner
-  transformation itself.
-  """
-  found = [v for v in _closure(tx.init) + _closure(tx.update)
-           if isinstance(v, optax.GradientTransformation) and v is not tx]
-  tuples = [v for v in _closure(tx.init) + _closure(tx.update)
-            if type(v) is tuple and v and all(map(callable, v))]  # pylint: disable=unidiomatic-typecheck
-  if len(tuples) == 2 and len(tuples[0]) == len(tuples[1]):
-    found += [optax.GradientTransformation(i, u) for i, u in zip(*tuples)]
-  return found
-
-
-def _check_separable(tx: optax.GradientTransformation, params: Any) -> None:
-  """Raises, naming the innermost culprit, unless ``tx`` cuts for ``params``."""
-  why = _why_not_separable(tx, params)
-  if why is None:
-    return
-  name = culprit = _name(tx)
-  parts = _parts(tx)
-  while parts:
-    for part in parts:
-      part_why = (_why_not_separable(part, params)
-                  if _applies_to(part, params) else None)
-      if part_why is not None:
-        culprit, why, parts = _name(part), part_why, _parts(part)
-        break
-    else:
-      break
-  if culprit != name:
-    name = f"{name}: {culprit}"
-  raise ValueError(_NOT_SEPARABLE.format(name=name, why=why))
-
-
-def cut(tx: optax.GradientTransformation, params: Any) -> plan_lib.Plan:
-  """``tx``'s per-parameter programs for ``params``, or an error naming it."""
-  try:
-    return plan_lib.make(tx, params)
-  except plan_lib.NotSeparable:
-    _check_separable(tx, params)
-    raise
-  except Exception as e:  # pylint: disable=broad-except
-    name = culprit = _name(tx)
-    parts = _parts(tx)
-    while parts:
-      failing = [p for p in parts if not _applies_to(p, params)]
-      if not failing:
-        break
-      culprit, parts = _name(failing[0]), _parts(failing[0])
-    if culprit != name:
-      name = f"{name}: {culprit}"
-    raise ValueError(
-        f"immgrad.shim({name}): the optimizer fails on these params: "
-        f"{type(e).__name__}: {e}. An option shaped like the params (a mask, "
-        "multi_transform labels) must have the params' tree structure."
-    ) from e
+from immgrad._src import refusal
+from immgrad._src.base import ImmediateGrad
+from immgrad._src.base import ShimState
+from immgrad._src.base import ShimTransformation
+from immgrad._src.base import Stepped
 
 
 def _check_params(params: Any) -> None:
@@ -327,12 +125,11 @@ def shim(tx: optax.GradientTransformation, *,
   if not isinstance(tx, optax.GradientTransformation):
     raise TypeError(
         f"immgrad.shim expects an optax.GradientTransformation, got {tx!r}.")
-  if _applies_to(tx, _PROBE):  # Else it needs the params' own tree.
-    cut(tx, _PROBE)
+  refusal.check(tx)
 
   def init_fn(params):
     _check_params(params)
-    cut(tx, params)
+    refusal.cut(tx, params)
     return ShimState(inner=tx.init(params),
                      rejected=jnp.zeros((), jnp.int32))
 
@@ -347,7 +144,7 @@ def shim(tx: optax.GradientTransformation, *,
     grads = flatten_like(treedef, grads, "grads")
     for path, g, p in zip(paths, grads, leaves):
       _check_like(path, _value_of(g), p)
-    plan = cut(tx, params)
+    plan = refusal.cut(tx, params)
     old = state_leaves(plan, state)
     parts = [[old[k] for k in leaf.reads] for leaf in plan.leaves]
 
