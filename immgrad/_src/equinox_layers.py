@@ -25,12 +25,25 @@ from jax import lax
 import jax.numpy as jnp
 
 from immgrad._src import layer as layer_lib
+from immgrad._src import reparam
 
 _NO_STATE = object()  # A normalisation called without Equinox's ``state``.
 
 
 def _apply(module: eqx.Module, fun, x, params):
-  """``fun(x, params)`` as an immediate layer named after ``module``."""
+  """``fun(x, params)`` as an immediate layer named after ``module``.
+
+  Refuses first if ``params`` holds an array computed from the params tree
+  (``reparam.py``): a wrapper changed the module's weights.
+  """
+  base = next(c for c in type(module).__mro__ if c in IMPLEMENTATIONS)
+  culprit = base_name = f"eqx.nn.{base.__name__}"
+  if type(module) is not base:
+    culprit = f"{base_name} subclass {type(module).__name__}"
+  reparam.check_parameters(
+      "immgrad.equinox.immediate", culprit, base_name, params,
+      "made by a wrapper such as eqx.nn.WeightNorm or eqx.nn.SpectralNorm, "
+      "or by a cast")
   name = f"{type(module).__name__} (Equinox)"
   return layer_lib.immediate_layer(fun, name=name)(x, params)
 
