@@ -66,13 +66,14 @@ def _apply(module, fun, x, params):
   (``reparam.py``): the module's weights are reparametrised.
   """
   base, base_name = base_class(module)
+  culprit = base_name
+  if type(module) is not base:
+    culprit = f"{base_name} subclass {type(module).__name__}"
   if isinstance(module, nnx.Module):
-    name = culprit = _nnx_name(module)
+    name = _nnx_name(module)
   else:
     name = linen_name(module)
-    culprit = f"{base_name} {name!r}"
-  if type(module) is not base:
-    culprit = f"{base_name} subclass {culprit}"
+    culprit = f"{culprit} {name!r}"
   reparam.check_parameters("immgrad.flax.immediate", culprit, base_name,
                            params, _SUSPECTS[base_name.split(".")[0]])
   return layer_lib.immediate_layer(fun, name=name)(x, params)

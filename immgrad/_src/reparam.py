@@ -45,10 +45,10 @@ def check_overrides(adapter: str, module: Any, base: type,
               callable(value) or
               isinstance(value, (property, classmethod, staticmethod)))):
         continue
+      where = "" if klass is cls else f" (in {klass.__name__})"
       raise ValueError(
           f"{adapter}: {base_name} subclass {cls.__name__} overrides "
-          f"{name}() (in {klass.__name__}), which {base_name}'s call relies "
-          f"on; immgrad computes {base_name}'s own arithmetic and would skip "
+          f"{name}(){where}, which {base_name}'s call relies on; immgrad computes {base_name}'s own arithmetic and would skip "
           f"yours, training a different model. Leave {base_name} out of "
           f"`modules=` so that {cls.__name__} trains ordinarily.")
 
