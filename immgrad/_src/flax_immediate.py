@@ -24,7 +24,14 @@ the shim applies. Outside a step every module runs Flax's code unchanged.
 
 The modules read their parameters as the objects in the params tree (NNX's
 ``variable[...]`` and Linen's ``get_variable``), which is how an immediate
-layer finds their optimizer state.
+layer finds their optimizer state. A module whose weights are
+reparametrised is refused by name (``reparam.py``): a Linen subclass
+overriding a method of its Flax class (BiT's ``StdConv`` overrides
+``param()``), a weight computed from the params (``nn.WeightNorm``,
+``nnx.SpectralNorm``, ``nn.map_variables``, a property), or a Linen
+interceptor installed inside ``immediate``, which ours would skip (found in
+Linen's private ``_global_interceptor_stack``). See
+``docs/reparametrised.md``.
 """
 
 import functools

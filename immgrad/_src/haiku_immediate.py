@@ -7,7 +7,11 @@ every ``hk.Linear``, ``hk.Conv*``, ``hk.LayerNorm``, ``hk.RMSNorm`` and
 blocks) is computed by ``haiku_layers``: the same parameters, through an
 immediate layer. Other modules (``hk.BatchNorm``, whose statistics are Haiku
 state, or a module not chosen) keep ordinary gradients, which the shim
-applies.
+applies. A module whose weights a custom getter changes
+(``hk.custom_getter``, ``hk.mixed_precision``), or one an interceptor
+installed inside ``immediate`` would see (ours runs first and would skip
+it; found in Haiku's private ``interceptor_stack``), is refused by name
+(``reparam.py``, ``docs/reparametrised.md``).
 
 Stacked layers: Haiku's ``layer_stack`` scans its body over stacked
 parameters with ``jax.lax.scan``. Inside ``immediate`` (and in
