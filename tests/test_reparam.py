@@ -477,3 +477,19 @@ def test_equinox_subclasses_with_own_call_train_as_plain():
   model = Net(PreScaled(5, 4, key=k1), OwnCall(4, 3, use_bias=False, key=k2))
   loss_fn, params = _equinox_loss(model)
   assert_trains_as_plain(loss_fn, params, _batches((4, 5)), 2)
+
+
+@needs_equinox
+def test_equinox_conv_overriding_its_padding_is_refused():
+  """``eqx.nn.Conv`` pads through ``self._nonzero_pad``; this one differs."""
+
+  class EdgePadConv(eqx.nn.Conv2d):
+    def _nonzero_pad(self, x):
+      return jnp.pad(x, [(0, 0), (1, 1), (1, 1)], mode="edge")
+
+  model = EdgePadConv(3, 2, 3, padding=1, padding_mode="REFLECT",
+                      key=jax.random.key(0))
+  loss_fn, params = _equinox_loss(model)
+  assert_refused(loss_fn, params, _batches((2, 3, 5, 5))[0],
+                 r"eqx.nn.Conv subclass EdgePadConv overrides "
+                 r"_nonzero_pad\(\).*Leave eqx.nn.Conv out")

@@ -33,11 +33,15 @@ _NO_STATE = object()  # A normalisation called without Equinox's ``state``.
 def _apply(module: eqx.Module, fun, x, params):
   """``fun(x, params)`` as an immediate layer named after ``module``.
 
-  Refuses first if ``params`` holds an array computed from the params tree
-  (``reparam.py``): a wrapper changed the module's weights.
+  Refuses first (``reparam.py``) a subclass overriding a method of the
+  Equinox class (``eqx.nn.Conv``'s ``_nonzero_pad``, which ``conv`` does
+  not call), or ``params`` holding an array computed from the params tree:
+  a wrapper changed the module's weights.
   """
   base = next(c for c in type(module).__mro__ if c in IMPLEMENTATIONS)
   culprit = base_name = f"eqx.nn.{base.__name__}"
+  reparam.check_overrides("immgrad.equinox.immediate", module, base,
+                          base_name)
   if type(module) is not base:
     culprit = f"{base_name} subclass {type(module).__name__}"
   reparam.check_parameters(
