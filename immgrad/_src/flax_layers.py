@@ -46,9 +46,9 @@ from immgrad._src import reparam
 
 _SUSPECTS = {
     "nn": "made by a wrapper or transform such as nn.WeightNorm, "
-          "nn.SpectralNorm or nn.map_variables",
-    "nnx": "made by a wrapper such as nnx.WeightNorm or nnx.SpectralNorm, or "
-           "by a property",
+          "nn.SpectralNorm or nn.map_variables, or by a cast",
+    "nnx": "made by a wrapper such as nnx.WeightNorm or nnx.SpectralNorm, by "
+           "a property or by a cast",
 }
 
 

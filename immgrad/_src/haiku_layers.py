@@ -47,7 +47,7 @@ def _apply(module: hk.Module, fun, x, params):
       "immgrad.haiku.immediate", f"{base_name} {module.module_name!r}",
       base_name, params,
       "made by a custom getter, such as hk.custom_getter or "
-      "hk.mixed_precision's cast")
+      "hk.mixed_precision's cast, or by a cast of the params")
   return layer_lib.immediate_layer(fun, name=module.module_name)(x, params)
 
 
