@@ -10,7 +10,9 @@ parameter arrays through an immediate layer. Other modules
 (``eqx.nn.ConvTranspose``, ``eqx.nn.BatchNorm``, whose statistics are
 ``eqx.nn.State``, dropout, your own) keep ordinary gradients, which the
 shim applies. The params tree is Equinox's own,
-``eqx.partition(model, eqx.is_inexact_array)``.
+``eqx.partition(model, eqx.is_inexact_array)``. A module whose weight is
+computed from the params (``eqx.nn.WeightNorm``, ``eqx.nn.SpectralNorm``, a
+cast) is refused by name (``reparam.py``, ``docs/reparametrised.md``).
 
 The seam. Equinox has no interception hook, so while a wrapped ``fn`` runs
 the defining classes' ``__call__`` is replaced, at class level, by a

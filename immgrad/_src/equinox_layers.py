@@ -25,12 +25,29 @@ from jax import lax
 import jax.numpy as jnp
 
 from immgrad._src import layer as layer_lib
+from immgrad._src import reparam
 
 _NO_STATE = object()  # A normalisation called without Equinox's ``state``.
 
 
 def _apply(module: eqx.Module, fun, x, params):
-  """``fun(x, params)`` as an immediate layer named after ``module``."""
+  """``fun(x, params)`` as an immediate layer named after ``module``.
+
+  Refuses first (``reparam.py``) a subclass overriding a method of the
+  Equinox class (``eqx.nn.Conv``'s ``_nonzero_pad``, which ``conv`` does
+  not call), or ``params`` holding an array computed from the params tree:
+  a wrapper changed the module's weights.
+  """
+  base = next(c for c in type(module).__mro__ if c in IMPLEMENTATIONS)
+  culprit = base_name = f"eqx.nn.{base.__name__}"
+  reparam.check_overrides("immgrad.equinox.immediate", module, base,
+                          base_name)
+  if type(module) is not base:
+    culprit = f"{base_name} subclass {type(module).__name__}"
+  reparam.check_parameters(
+      "immgrad.equinox.immediate", culprit, base_name, params,
+      "made by a wrapper such as eqx.nn.WeightNorm or eqx.nn.SpectralNorm, "
+      "or by a cast")
   name = f"{type(module).__name__} (Equinox)"
   return layer_lib.immediate_layer(fun, name=name)(x, params)
 

@@ -24,7 +24,14 @@ the shim applies. Outside a step every module runs Flax's code unchanged.
 
 The modules read their parameters as the objects in the params tree (NNX's
 ``variable[...]`` and Linen's ``get_variable``), which is how an immediate
-layer finds their optimizer state.
+layer finds their optimizer state. A module whose weights are
+reparametrised is refused by name (``reparam.py``): a Linen subclass
+overriding a method of its Flax class (BiT's ``StdConv`` overrides
+``param()``), a weight computed from the params (``nn.WeightNorm``,
+``nnx.SpectralNorm``, ``nn.map_variables``, a property), or a Linen
+interceptor installed inside ``immediate``, which ours would skip (found in
+Linen's private ``_global_interceptor_stack``). See
+``docs/reparametrised.md``.
 """
 
 import functools
@@ -32,12 +39,15 @@ import threading
 from typing import Any, Callable, Sequence
 
 from flax import linen as nn
+from flax.linen import module as linen_module
 
 from immgrad._src import context
 from immgrad._src import flax_layers
+from immgrad._src import reparam
 
-DEFAULT_MODULES = tuple(flax_layers.NNX) + (
-    nn.Dense, nn.DenseGeneral, nn.Conv, nn.LayerNorm, nn.RMSNorm, nn.Embed)
+_ADAPTER = "immgrad.flax.immediate"
+
+DEFAULT_MODULES = tuple(flax_layers.NNX) + flax_layers.LINEN_CLASSES
 
 
 def immediate(fn: Callable[..., Any],
@@ -99,7 +109,10 @@ def immediate(fn: Callable[..., Any],
     if (implementation is None or not isinstance(ctx.module, chosen) or
         ctx.module.is_initializing()):
       return next_fun(*args, **kwargs)
+    _check_linen_call(ctx.module, interceptor)
     return implementation(ctx.module, next_fun, *args, **kwargs)
+
+  interceptor.immgrad = True  # Ours: see _check_linen_call.
 
   @functools.wraps(fn)
   def wrapped(*args, **kwargs):
@@ -107,6 +120,30 @@ def immediate(fn: Callable[..., Any],
       return fn(*args, **kwargs)
 
   return wrapped
+
+
+def _check_linen_call(module: nn.Module, ours: Callable) -> None:
+  """Refuses a Linen call whose arithmetic ours would not reproduce.
+
+  That is a subclass overriding a method of the Flax class (BiT's
+  ``StdConv`` overrides ``param()``), or an interceptor installed inside
+  ``immediate``: Linen runs interceptors outermost first, so ours would
+  answer the call and skip it. (The interceptor stack is Linen's private
+  ``_global_interceptor_stack``, innermost first.)
+  """
+  base, base_name = flax_layers.base_class(module)
+  reparam.check_overrides(_ADAPTER, module, base, base_name)
+  for interceptor in linen_module._global_interceptor_stack:
+    if interceptor is ours:
+      return
+    if not getattr(interceptor, "immgrad", False):
+      raise ValueError(
+          f"{_ADAPTER}: the Linen interceptor {interceptor!r}, installed "
+          f"inside it, would be skipped for {base_name} "
+          f"{flax_layers.linen_name(module)!r}, whose call immgrad computes "
+          "itself. Install it outside instead (nn.intercept_methods around "
+          "the call of the wrapped function), so that it runs first, or "
+          f"leave {base_name} out of `modules=`.")
 
 
 def _check_modules(modules) -> tuple[type, ...]:

@@ -41,10 +41,41 @@ from flax.nnx.nn import dtypes as nnx_dtypes
 from flax.nnx.nn import normalization as nnx_norm
 
 from immgrad._src import layer as layer_lib
+from immgrad._src import reparam
 
 
-def _apply(name: str, fun, x, params):
-  """``fun(x, params)`` as an immediate layer called ``name``."""
+_SUSPECTS = {
+    "nn": "made by a wrapper or transform such as nn.WeightNorm, "
+          "nn.SpectralNorm or nn.map_variables, or by a cast",
+    "nnx": "made by a wrapper such as nnx.WeightNorm or nnx.SpectralNorm, by "
+           "a property or by a cast",
+}
+
+
+def base_class(module) -> tuple[type, str]:
+  """The supported Flax class ``module`` is one of, and its public name."""
+  supported = NNX if isinstance(module, nnx.Module) else LINEN_CLASSES
+  base = next(c for c in type(module).__mro__ if c in supported)
+  return base, f"{'nnx' if base in NNX else 'nn'}.{base.__name__}"
+
+
+def _apply(module, fun, x, params):
+  """``fun(x, params)`` as an immediate layer named after ``module``.
+
+  Refuses first if ``params`` holds an array computed from the params tree
+  (``reparam.py``): the module's weights are reparametrised.
+  """
+  base, base_name = base_class(module)
+  culprit = base_name
+  if type(module) is not base:
+    culprit = f"{base_name} subclass {type(module).__name__}"
+  if isinstance(module, nnx.Module):
+    name = _nnx_name(module)
+  else:
+    name = linen_name(module)
+    culprit = f"{culprit} {name!r}"
+  reparam.check_parameters("immgrad.flax.immediate", culprit, base_name,
+                           params, _SUSPECTS[base_name.split(".")[0]])
   return layer_lib.immediate_layer(fun, name=name)(x, params)
 
 
@@ -93,7 +124,7 @@ def nnx_linear(module: nnx.Linear, original, inputs, out_sharding=None):
                            precision=module.precision, **kwargs)
     return _bias(y, bias, (1,) * (y.ndim - 1) + (-1,))
 
-  return _apply(_nnx_name(module), affine, inputs,
+  return _apply(module, affine, inputs,
                 _nnx_params(module, "kernel", "bias"))
 
 
@@ -127,7 +158,7 @@ def nnx_linear_general(module: nnx.LinearGeneral, original, inputs,
     y = dot_general(x, kernel, numbers, precision=module.precision, **kwargs)
     return _bias(y, bias, (*expanded_batch_shape, *module.out_features))
 
-  return _apply(_nnx_name(module), affine, inputs,
+  return _apply(module, affine, inputs,
                 _nnx_params(module, "kernel", "bias"))
 
 
@@ -153,7 +184,7 @@ def nnx_einsum(module: nnx.Einsum, original, inputs, einsum_str=None,
     infer_shape = module._infer_broadcasted_bias_shape
     return _bias(y, bias, infer_shape(einsum_str, x, kernel))
 
-  return _apply(_nnx_name(module), contract, inputs,
+  return _apply(module, contract, inputs,
                 _nnx_params(module, "kernel", "bias"))
 
 
@@ -203,7 +234,7 @@ def _conv_setup(module, inputs):
   return inputs, (strides, padding), options, batch_shape
 
 
-def _conv(name, module, conv_fn, inputs, params, unbox, promote, extra):
+def _conv(module, conv_fn, inputs, params, unbox, promote, extra):
   """A ``Conv`` call of either API, ``promote`` its dtype promotion."""
   inputs, positional, options, batch_shape = _conv_setup(module, inputs)
   options.update(extra)
@@ -223,7 +254,7 @@ def _conv(name, module, conv_fn, inputs, params, unbox, promote, extra):
       return y
     return _bias(y, bias, (1,) * (y.ndim - bias.ndim) + bias.shape)
 
-  y = _apply(name, convolution, inputs, params)
+  y = _apply(module, convolution, inputs, params)
   return y if batch_shape is None else jnp.reshape(
       y, batch_shape + y.shape[1:])
 
@@ -235,9 +266,8 @@ def nnx_conv(module: nnx.Conv, original, inputs, out_sharding=None):
   def promote(*args):
     return module.promote_dtype(args, dtype=module.dtype)
 
-  return _conv(_nnx_name(module), module, module.conv_general_dilated,
-               inputs, _nnx_params(module, "kernel", "bias"), lambda p: p,
-               promote,
+  return _conv(module, module.conv_general_dilated, inputs,
+               _nnx_params(module, "kernel", "bias"), lambda p: p, promote,
                _nnx_dot_kwargs(module, out_sharding))
 
 
@@ -298,7 +328,7 @@ def _nnx_norm(module, original, x, mask, names, use_mean):
     return _scale_and_offset(x, [np.zeros((), dtype)], p, module.dtype,
                              feature_shape)
 
-  return _apply(_nnx_name(module), scale_and_offset, inputs, params)
+  return _apply(module, scale_and_offset, inputs, params)
 
 
 def nnx_layer_norm(module: nnx.LayerNorm, original, x, *, mask=None):
@@ -336,7 +366,7 @@ def nnx_embed(module: nnx.Embed, original, inputs, out_sharding=None):
   del original
   promote = lambda e: module.promote_dtype((e,), dtype=module.dtype,
                                            inexact=False)
-  return _apply(_nnx_name(module), _lookup(module, promote, out_sharding),
+  return _apply(module, _lookup(module, promote, out_sharding),
                 _check_ids(inputs), _nnx_params(module, "embedding"))
 
 
@@ -354,7 +384,7 @@ NNX = {
 
 # -- Linen -------------------------------------------------------------------
 
-def _linen_name(module: nn.Module) -> str:
+def linen_name(module: nn.Module) -> str:
   return "/".join(module.path) or type(module).__name__
 
 
@@ -377,7 +407,7 @@ def _linen_params(module: nn.Module, *names):
       if len(leaves) != 1:
         raise ValueError(
             f"immgrad.flax.immediate: parameter {name!r} of "
-            f"{_linen_name(module)} is a {type(value).__name__} box holding "
+            f"{linen_name(module)} is a {type(value).__name__} box holding "
             f"{len(leaves)} arrays; only boxes of one array (such as "
             "nn.Partitioned) can be stepped. Unbox it "
             "(flax.core.meta.unbox) before the step.")
@@ -417,7 +447,7 @@ def linen_dense(module: nn.Dense, original, inputs):
                     precision=module.precision)
     return _bias(y, bias, (1,) * (y.ndim - 1) + (-1,))
 
-  return _apply(_linen_name(module), affine, inputs, params)
+  return _apply(module, affine, inputs, params)
 
 
 def linen_dense_general(module: nn.DenseGeneral, original, inputs):
@@ -445,7 +475,7 @@ def linen_dense_general(module: nn.DenseGeneral, original, inputs):
     y = dot_general(x, kernel, numbers, precision=module.precision)
     return _bias(y, bias, expanded_batch_shape + features)
 
-  return _apply(_linen_name(module), affine, inputs, params)
+  return _apply(module, affine, inputs, params)
 
 
 def linen_conv(module: nn.Conv, original, inputs):
@@ -460,8 +490,7 @@ def linen_conv(module: nn.Conv, original, inputs):
   def promote(*args):
     return module.promote_dtype(*args, dtype=module.dtype)
 
-  return _conv(_linen_name(module), module, conv_fn, inputs, params, unbox,
-               promote, {})
+  return _conv(module, conv_fn, inputs, params, unbox, promote, {})
 
 
 def _linen_norm(module, original, x, mask, use_mean, use_bias):
@@ -492,7 +521,7 @@ def _linen_norm(module, original, x, mask, use_mean, use_bias):
     return _scale_and_offset(x, [np.zeros((), x_dtype)], unbox(p),
                              module.dtype, feature_shape, param_dtype)
 
-  return _apply(_linen_name(module), scale_and_offset, inputs, params)
+  return _apply(module, scale_and_offset, inputs, params)
 
 
 def linen_layer_norm(module: nn.LayerNorm, original, x, *, mask=None):
@@ -515,13 +544,17 @@ def linen_embed(module: nn.Embed, original, inputs):
     embedding = unbox({"embedding": embedding})["embedding"]
     return module.promote_dtype(embedding, dtype=module.dtype, inexact=False)
 
-  return _apply(_linen_name(module), _lookup(module, promote),
+  return _apply(module, _lookup(module, promote),
                 _check_ids(inputs), params)
 
 
 def _undecorated(method):
   return method.__wrapped__  # What Linen's method wrapper wraps.
 
+
+# The supported Linen classes.
+LINEN_CLASSES = (nn.Dense, nn.DenseGeneral, nn.Conv, nn.LayerNorm, nn.RMSNorm,
+                 nn.Embed)
 
 # The undecorated Linen ``__call__`` of each supported module, and ours for
 # it. ``nn.Conv.__call__`` is ``_Conv``'s, shared with ``nn.ConvLocal``,

@@ -7,7 +7,11 @@ every ``hk.Linear``, ``hk.Conv*``, ``hk.LayerNorm``, ``hk.RMSNorm`` and
 blocks) is computed by ``haiku_layers``: the same parameters, through an
 immediate layer. Other modules (``hk.BatchNorm``, whose statistics are Haiku
 state, or a module not chosen) keep ordinary gradients, which the shim
-applies.
+applies. A module whose weights a custom getter changes
+(``hk.custom_getter``, ``hk.mixed_precision``), or one an interceptor
+installed inside ``immediate`` would see (ours runs first and would skip
+it; found in Haiku's private ``interceptor_stack``), is refused by name
+(``reparam.py``, ``docs/reparametrised.md``).
 
 Stacked layers: Haiku's ``layer_stack`` scans its body over stacked
 parameters with ``jax.lax.scan``. Inside ``immediate`` (and in
@@ -24,6 +28,7 @@ from typing import Any, Callable, Sequence
 
 import haiku as hk
 from haiku._src import layer_stack as hk_layer_stack
+from haiku._src import module as hk_module
 from haiku._src import stateful as hk_stateful
 import jax
 
@@ -80,7 +85,10 @@ def immediate(fn: Callable[..., Any],
     if (ctx.method_name != "__call__" or implementation is None or
         not isinstance(ctx.module, chosen) or context.current() is None):
       return next_f(*args, **kwargs)
+    _check_inner_interceptors(ctx.module, interceptor)
     return implementation(ctx.module, next_f, *args, **kwargs)
+
+  interceptor.immgrad = True  # Ours: see _check_inner_interceptors.
 
   @functools.wraps(fn)
   def wrapped(*args, **kwargs):
@@ -88,6 +96,27 @@ def immediate(fn: Callable[..., Any],
       return fn(*args, **kwargs)
 
   return wrapped
+
+
+def _check_inner_interceptors(module: hk.Module, ours: Callable) -> None:
+  """Refuses the call if an interceptor was installed inside ``immediate``.
+
+  Haiku runs interceptors outermost first, so ours would answer the call
+  and skip the inner one. (The stack is Haiku's private
+  ``haiku._src.module.interceptor_stack``, iterated innermost first.)
+  """
+  for interceptor in hk_module.interceptor_stack:
+    if interceptor is ours:
+      return
+    if not getattr(interceptor, "immgrad", False):
+      name = haiku_layers.public_name(module)
+      raise ValueError(
+          f"immgrad.haiku.immediate: the Haiku interceptor {interceptor!r}, "
+          f"installed inside it, would be skipped for {name} "
+          f"{module.module_name!r}, whose call immgrad computes itself. "
+          "Install it outside instead (hk.intercept_methods around the "
+          "wrapped function), so that it runs first, or leave "
+          f"{name} out of `modules=`.")
 
 
 def _check_modules(modules) -> tuple[type, ...]:

@@ -22,14 +22,32 @@ import numpy as np
 
 from immgrad._src import context
 from immgrad._src import layer as layer_lib
+from immgrad._src import reparam
 
 
 def _stepping() -> bool:
   return context.current() is not None
 
 
+def public_name(module: hk.Module) -> str:
+  """``module``'s Haiku class as users write it (``hk.Conv2D``)."""
+  base = next(c for c in type(module).__mro__
+              if c.__module__.startswith("haiku."))
+  return f"hk.{base.__name__}"
+
+
 def _apply(module: hk.Module, fun, x, params):
-  """``fun(x, params)`` as an immediate layer named after ``module``."""
+  """``fun(x, params)`` as an immediate layer named after ``module``.
+
+  Refuses first if ``params`` holds an array computed from the params tree
+  (``reparam.py``): a custom getter changed the module's weights.
+  """
+  base_name = public_name(module)
+  reparam.check_parameters(
+      "immgrad.haiku.immediate", f"{base_name} {module.module_name!r}",
+      base_name, params,
+      "made by a custom getter, such as hk.custom_getter or "
+      "hk.mixed_precision's cast, or by a cast of the params")
   return layer_lib.immediate_layer(fun, name=module.module_name)(x, params)
 
 
