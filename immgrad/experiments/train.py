@@ -217,9 +217,9 @@ def train(task, *, optimizer_name: str, lr: float, steps: int,
 
   def evaluate(step_number):
     for method, run in runs.items():
-      if run.diverged_at is None:
-        run.evals.append({"step": step_number,
-                          **task.evaluate(state[method][0])})
+      if run.diverged_at is None:  # On one device, not once per replica.
+        params = jax.device_get(state[method][0])
+        run.evals.append({"step": step_number, **task.evaluate(params)})
 
   evaluate(0)
   for i in range(steps):
