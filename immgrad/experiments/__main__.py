@@ -186,8 +186,8 @@ def _train(args):
                   seeds=seeds, lrs=lrs, eval_every=eval_every,
                   target=args.target, quick=args.quick, modes=modes,
                   methods=list(methods), measure_dx=args.measure_dx,
-                  lr_sweep=args.lr_sweep, command=_command(args, settings=(
-                      optimizer, lr, steps, batch_size, len(devices), seeds)))
+                  lr_sweep=args.lr_sweep)
+  settings["command"] = _command(args, settings)
   print(f"task: {task.description}", file=sys.stderr)
   print(f"settings: {settings}", file=sys.stderr)
   run = {}
@@ -208,9 +208,8 @@ def _train(args):
   return run, info
 
 
-def _command(args, settings) -> str:
+def _command(args, settings: dict) -> str:
   """The one command that repeats this run, every default spelled out."""
-  optimizer, lr, steps, batch_size, devices, seeds = settings
   words = ["python -m immgrad.experiments", f"--task {args.task}"]
   if args.size or args.task == "lm":
     words.append(f"--size {args.size or 'tiny'}")
@@ -218,14 +217,16 @@ def _command(args, settings) -> str:
     words.append("--remat")
   if args.text:
     words.append(f"--text {args.text}")
-  words += [f"--optimizer {optimizer}", f"--lr {lr:g}", f"--steps {steps}",
-            f"--batch-size {batch_size}", f"--devices {devices}",
-            "--seeds " + " ".join(map(str, seeds))]
+  words += [f"--optimizer {settings['optimizer']}",
+            f"--lr {settings['lr']!r}", f"--steps {settings['steps']}",
+            f"--batch-size {settings['batch_size']}",
+            f"--devices {settings['devices']}",
+            "--seeds " + " ".join(map(str, settings["seeds"]))]
   if args.eval_every:
     words.append(f"--eval-every {args.eval_every}")
   if args.lr_sweep:
     words.append("--lr-sweep" + (" --lrs " + " ".join(
-        f"{x:g}" for x in args.lrs) if args.lrs else ""))
+        repr(x) for x in args.lrs) if args.lrs else ""))
   if args.mode_sweep and not args.modes:
     words.append("--mode-sweep")
   if args.modes:

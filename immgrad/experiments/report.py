@@ -10,7 +10,8 @@ Definitions, printed under every table:
   how soon each gets there;
 * *seconds*: the sum of the method's own step times, compilation excluded;
 * *step time ratio*: the method's median step time over plain's median, in
-  the same interleaved run;
+  the same interleaved run (for runs joined with ``--merge``, plain's from
+  its own run, at the same lr and seed);
 * *sanity check*: ``current`` (``a=0`` in a mode sweep) must reproduce
   plain training; it passes if the per-step losses agree to a relative
   1e-4 over the first 20 steps, before float rounding (the two programs
