@@ -10,8 +10,9 @@ update that dX sees (``mode=a``), compared with ``a=0``; with
 ``--measure-dx`` each immgrad layer's dX change is recorded per step and
 plotted (``dx_change.png``). A study too long for one process splits into
 runs by ``--lr``, ``--seeds`` and ``--methods``, each with its own
-``results.json``; ``--merge`` reports them as one run. See ``python -m immgrad.experiments --help``
-and the README's "Does it train faster?" and "Between the modes".
+``results.json``; ``--merge`` reports them as one run (docs/results/lm.md).
+See ``python -m immgrad.experiments --help`` and the README's "Does it
+train faster?" and "Between the modes".
 """
 
 import argparse
