@@ -11,23 +11,30 @@ import pathlib
 import subprocess
 import sys
 
+import chex
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
+import immgrad
 from immgrad.experiments import report
+from immgrad.experiments import tasks
 from immgrad.experiments import train
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def _run(tmp_path, *args, name="out"):
+def _run(tmp_path, *args, name="out", devices=2):
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)  # The runner makes its own devices.
   env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
   out = tmp_path / name
+  chosen = ("--devices", str(devices)) if devices else ()
   done = subprocess.run(
       [sys.executable, "-m", "immgrad.experiments", "--no-progress",
-       "--devices", "2", "--out", str(out), *args],
+       *chosen, "--out", str(out), *args],
       env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
   return done, out
 
@@ -280,3 +287,186 @@ def test_compare_modes_rule():
                                                    diverged={1: 3}),
                             "a=1": _mode_summaries(2.0, 2.0)})
   assert c["a=1"]["beats_range"] and c["a=1"]["baseline_diverged"]
+
+
+# -- issue 28: the language-model task, split runs; issue 26: devices -----
+
+def test_lm_tiny_quick_end_to_end_on_the_default_devices(tmp_path):
+  done, out = _run(tmp_path, "--task", "lm", "--size", "tiny", "--quick",
+                   devices=None)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert "Sanity check (current reproduces plain): PASSED" in done.stdout
+  results = json.loads((out / "results.json").read_text())
+  settings = results["settings"]
+  # No --devices on the CPU: 4 simulated devices.
+  assert settings["devices"] == 4 and len(results["machine"]["devices"]) == 4
+  assert settings["optimizer"] == "adamw" and settings["steps"] == 40
+  assert "GPT-style byte-level LM 'tiny'" in results["task"]
+  assert "float32 compute" in results["task"]
+  assert results["loss_unit"] == "bits per byte"
+  assert settings["command"] in done.stdout
+  by = {r["method"]: r for r in results["runs"]}
+  assert set(by) == set(train.METHODS)
+  for r in by.values():
+    assert len(r["losses"]) == 40 and all(map(math.isfinite, r["losses"]))
+    assert 6 < r["losses"][0] < 10  # About log2(256) = 8 bits untrained.
+    assert r["losses"][-1] < r["losses"][0] - 2  # It trained.
+    assert r["evals"][-1]["step"] == 40
+    assert math.isfinite(r["evals"][-1]["heldout_loss"])
+  # current is plain training: to the sanity check's 1e-4 relative (float
+  # rounding of two differently fused programs; measured ~1e-7).
+  np.testing.assert_allclose(by["current"]["losses"], by["plain"]["losses"],
+                             rtol=1e-4)
+  assert by["updated"]["losses"][-1] != by["plain"]["losses"][-1]
+
+
+def test_split_runs_merge_into_the_joint_run(tmp_path):
+  common = ("--quick", "--steps", "8", "--seeds", "0", "--modes", "1")
+  joint, joint_out = _run(tmp_path, *common, name="joint")
+  first, a = _run(tmp_path, *common, "--methods", "plain", "a=0", name="a")
+  second, b = _run(tmp_path, *common, "--methods", "a=1", name="b")
+  for done in (joint, first, second):
+    assert done.returncode == 0, done.stderr[-3000:]
+  assert "Sanity check: not run" in second.stdout
+  merged, m = _run(tmp_path, "--merge", str(a / "results.json"),
+                   str(b / "results.json"), name="m", devices=None)
+  assert merged.returncode == 0, merged.stderr[-3000:]
+  assert "Sanity check (a=0 reproduces plain): PASSED" in merged.stdout
+  together = json.loads((joint_out / "results.json").read_text())
+  result = json.loads((m / "results.json").read_text())
+  assert result["settings"]["methods"] == ["plain", "a=0", "a=1"]
+  assert len(result["settings"]["merged_from"]) == 2
+  # Each method's run is the same whether it trained alone or beside the
+  # others: same initialisation, batches and program, bit for bit.
+  key = lambda r: (r["method"], r["lr"], r["seed"])
+  assert ({key(r): r["losses"] for r in result["runs"]} ==
+          {key(r): r["losses"] for r in together["runs"]})
+  assert (result["mode_sweep"][str(result["settings"]["lr"])]["verdict"] ==
+          together["mode_sweep"][str(together["settings"]["lr"])]["verdict"])
+  # A method trained twice is refused.
+  again, _ = _run(tmp_path, "--merge", str(a / "results.json"),
+                  str(a / "results.json"), name="x", devices=None)
+  assert again.returncode != 0 and "in two of the files" in again.stderr
+
+
+def test_default_devices_are_the_backends_local_devices(monkeypatch):
+  from immgrad.experiments import __main__ as runner  # pylint: disable=g-import-not-at-top
+  cpus = jax.local_devices()
+  assert len(cpus) == 4  # conftest.py's simulated devices.
+  assert runner.training_devices() == cpus[:runner.CPU_DEVICES]
+  assert runner.training_devices(2) == cpus[:2]
+  # An accelerator backend: all its local devices, here one chip.
+  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+  monkeypatch.setattr(jax, "local_devices", lambda: cpus[:1])
+  assert runner.training_devices() == cpus[:1]
+  with pytest.raises(SystemExit, match="--devices 4, but the tpu backend "
+                     "has only 1 local devices"):
+    runner.training_devices(4)
+
+
+def _lm_steps(task, opt, n, immediate):
+  """n adamw steps of the tiny LM, one device: plain optax or the shim."""
+  params = task.init(0)
+  if immediate:
+    tx = immgrad.shim(opt)
+    grad_fn = immgrad.value_and_grad(task.loss_fn, tx, mode="current")
+  else:
+    tx, grad_fn = opt, jax.value_and_grad(task.loss_fn)
+
+  @jax.jit
+  def step(params, state, inputs, targets):
+    if immediate:
+      _, grads = grad_fn(params, state, inputs, targets)
+    else:
+      _, grads = grad_fn(params, inputs, targets)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  state, out, batches = tx.init(params), [], task.batches(0, 8)
+  for _ in range(n):
+    params, state = step(params, state, *next(batches))
+    out.append(params)
+  return out
+
+
+def test_lm_adamw_schedule_and_decay_mask_step_as_plain_optax():
+  task = tasks.lm(str(ROOT / "README.md"), "tiny", compute_dtype=None)
+  init = task.init(0)
+  mask = train.decay_mask(init)
+  # GPT practice: matrices, embeddings and positions decay; biases and
+  # LayerNorm scales and offsets do not.
+  assert mask["linear"] == {"w": True, "b": False}
+  assert mask["layer_norm"] == {"scale": False, "offset": False}
+  assert mask["embed"] == {"embeddings": True} and mask["~"] == {
+      "positions": True}
+  steps = 100  # Warm-up over 5 steps: the 8 below cross it.
+  opt = train.optimizer("adamw", 3e-3, steps)
+  assert float(train.schedule(3e-3, steps)(0)) == 0.0
+  expected = _lm_steps(task, opt, 8, immediate=False)
+  got = _lm_steps(task, opt, 8, immediate=True)
+  # The schedule starts at 0: step 1 leaves every weight as it was, in both.
+  chex.assert_trees_all_equal(got[0], init)
+  chex.assert_trees_all_equal(expected[0], init)
+  # Then each step agrees with plain optax to 1e-5 absolute: the two
+  # gradients are computed by differently fused programs and differ by
+  # float32 rounding, which adam turns into up to ~1e-6 on weights (2.5e-6
+  # measured after 8 steps); a step of the schedule (lr/5 in the warm-up)
+  # or a decay on the wrong leaves moves a weight by 1e-4 or more (below).
+  for i, (g, e) in enumerate(zip(got, expected)):
+    chex.assert_trees_all_close(g, e, atol=1e-5, rtol=0,
+                                custom_message=f"step {i + 1}")
+  # What the tolerance can tell apart: the schedule one step ahead, or
+  # weight decay on every leaf, lands far outside it.
+  ahead = optax.adamw(lambda count: train.schedule(3e-3, steps)(count + 1),
+                      b1=0.9, b2=0.95, weight_decay=train.WEIGHT_DECAY,
+                      mask=train.decay_mask)
+  all_decayed = optax.adamw(train.schedule(3e-3, steps), b1=0.9, b2=0.95,
+                            weight_decay=train.WEIGHT_DECAY)
+  for other in (ahead, all_decayed):
+    away = _lm_steps(task, other, 8, immediate=False)[-1]
+    assert train.max_param_difference(away, expected[-1]) > 1e-4
+
+
+def test_lm_bfloat16_a0_is_plain_training():
+  task = tasks.lm(str(ROOT / "README.md"), "tiny", compute_dtype=jnp.bfloat16)
+  assert "bfloat16 compute, float32 weights" in task.description
+  runs = train.train(task, optimizer_name="adamw", lr=3e-3, steps=10,
+                     batch_size=8, seed=0, eval_every=5,
+                     methods={"plain": None, "a=0": 0.0})
+  params = runs["a=0"].final_params
+  assert {a.dtype for a in jax.tree.leaves(params)} == {np.dtype("float32")}
+  # Both run the same bfloat16 arithmetic (immediate(compute_dtype=...)
+  # casts inside the layer in plain training too): the losses agree to
+  # 1e-6 relative (measured: identical) and the weights to 1e-7 (measured
+  # 1.9e-9); float32 compute instead of bfloat16 moves even the first
+  # loss (a mean over 4,096 bytes) by 4.9e-5 bits, 6x that bound.
+  np.testing.assert_allclose(runs["a=0"].losses, runs["plain"].losses,
+                             rtol=1e-6)
+  assert train.max_param_difference(params,
+                                    runs["plain"].final_params) < 1e-7
+  f32 = tasks.lm(str(ROOT / "README.md"), "tiny", compute_dtype=None)
+  first = float(f32.loss_fn(f32.init(0), *next(f32.batches(0, 8))))
+  assert abs(first * f32.loss_scale - runs["plain"].losses[0]) > 3e-5
+
+
+def test_lm_remat_leaves_training_as_it_was():
+  runs = {}
+  for remat in (False, True):
+    task = tasks.lm(str(ROOT / "README.md"), "tiny", compute_dtype=None,
+                    remat=remat)
+    runs[remat] = train.train(task, optimizer_name="adamw", lr=3e-3, steps=6,
+                              batch_size=8, seed=0, eval_every=6,
+                              methods={"plain": None, "a=1": 1.0})
+  assert "blocks under hk.remat" in task.description
+  # hk.remat recomputes the blocks' forward pass in the backward pass: the
+  # same arithmetic, fused differently. Losses to 1e-6 relative (measured:
+  # plain identical, a=1 1e-7); weights to 1e-4 (a=1 measured 2.2e-5 after
+  # 6 steps: adam turns rounding in near-zero gradients into weight noise),
+  # where a=1 and plain differ by ~1e-2 in loss.
+  for method in ("plain", "a=1"):
+    np.testing.assert_allclose(runs[True][method].losses,
+                               runs[False][method].losses, rtol=1e-6)
+    assert train.max_param_difference(runs[True][method].final_params,
+                                      runs[False][method].final_params) < 1e-4
+  assert abs(runs[True]["a=1"].losses[-1] -
+             runs[True]["plain"].losses[-1]) > 1e-2

@@ -24,7 +24,7 @@ is ``jax.lax.scan``, so nothing else changes.
 
 import functools
 import threading
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import haiku as hk
 from haiku._src import layer_stack as hk_layer_stack
@@ -41,7 +41,8 @@ DEFAULT_MODULES = (hk.Linear, hk.ConvND, hk.LayerNorm, hk.RMSNorm, hk.Embed)
 
 
 def immediate(fn: Callable[..., Any],
-              modules: Sequence[type] = DEFAULT_MODULES) -> Callable[..., Any]:
+              modules: Sequence[type] = DEFAULT_MODULES, *,
+              compute_dtype: Optional[Any] = None) -> Callable[..., Any]:
   """Makes the chosen Haiku modules in ``fn`` immediate layers.
 
   Args:
@@ -50,11 +51,18 @@ def immediate(fn: Callable[..., Any],
     modules: the module classes to make immediate (subclasses included):
       any of ``hk.Linear``, ``hk.ConvND`` (or ``hk.Conv1D``/``2D``/``3D``),
       ``hk.LayerNorm``, ``hk.RMSNorm``, ``hk.Embed``. Default: all of them.
+    compute_dtype: mixed precision (e.g. ``jnp.bfloat16``): the chosen
+      ``hk.Linear``, ``hk.ConvND`` and ``hk.Embed`` cast their floating
+      inputs and weights to it inside the immediate layer
+      (``immediate_layer(compute_dtype=...)``) and return it; the weights
+      and their updates stay float32. Normalisations compute in their
+      inputs' dtype. It applies outside ``immgrad.value_and_grad`` too, so
+      plain training of ``fn`` runs the same arithmetic.
 
   Returns:
     ``fn``, with those modules' weights updated during the backward pass
-    inside ``immgrad.value_and_grad``. Outside it ``fn`` is unchanged: init
-    makes exactly Haiku's parameters.
+    inside ``immgrad.value_and_grad``. Outside it ``fn`` is unchanged
+    (but for ``compute_dtype``): init makes exactly Haiku's parameters.
 
   Example:
     >>> import haiku as hk, jax, jax.numpy as jnp, optax
@@ -82,10 +90,15 @@ def immediate(fn: Callable[..., Any],
 
   def interceptor(next_f, args, kwargs, ctx):
     implementation = haiku_layers.IMPLEMENTATIONS.get(ctx.orig_class)
+    cast = (compute_dtype if issubclass(ctx.orig_class, haiku_layers.CASTING)
+            else None)
     if (ctx.method_name != "__call__" or implementation is None or
-        not isinstance(ctx.module, chosen) or context.current() is None):
+        not isinstance(ctx.module, chosen) or
+        (context.current() is None and cast is None)):
       return next_f(*args, **kwargs)
     _check_inner_interceptors(ctx.module, interceptor)
+    if cast is not None:
+      kwargs = dict(kwargs, compute_dtype=cast)
     return implementation(ctx.module, next_f, *args, **kwargs)
 
   interceptor.immgrad = True  # Ours: see _check_inner_interceptors.

@@ -36,7 +36,18 @@ def public_name(module: hk.Module) -> str:
   return f"hk.{base.__name__}"
 
 
-def _apply(module: hk.Module, fun, x, params):
+def _original(compute_dtype) -> bool:
+  """Whether Haiku's own ``__call__`` computes the module here.
+
+  Outside a step, unless the module computes in ``compute_dtype``: then it
+  casts inside an immediate layer (an ordinary function outside a step),
+  so plain training runs the very arithmetic a step runs. At init it is
+  always Haiku's, which creates the parameters.
+  """
+  return not _stepping() and (compute_dtype is None or hk.running_init())
+
+
+def _apply(module: hk.Module, fun, x, params, compute_dtype=None):
   """``fun(x, params)`` as an immediate layer named after ``module``.
 
   Refuses first if ``params`` holds an array computed from the params tree
@@ -48,12 +59,14 @@ def _apply(module: hk.Module, fun, x, params):
       base_name, params,
       "made by a custom getter, such as hk.custom_getter or "
       "hk.mixed_precision's cast, or by a cast of the params")
-  return layer_lib.immediate_layer(fun, name=module.module_name)(x, params)
+  return layer_lib.immediate_layer(fun, name=module.module_name,
+                                   compute_dtype=compute_dtype)(x, params)
 
 
-def linear(module: hk.Linear, original, inputs, *, precision=None):
+def linear(module: hk.Linear, original, inputs, *, precision=None,
+           compute_dtype=None):
   """``hk.Linear.__call__``, immediate inside a step."""
-  if not _stepping():
+  if _original(compute_dtype):
     return original(inputs, precision=precision)
   inputs = jnp.asarray(inputs)
   if not inputs.shape:
@@ -71,12 +84,13 @@ def linear(module: hk.Linear, original, inputs, *, precision=None):
       out = out + jnp.broadcast_to(p["b"], out.shape)
     return out
 
-  return _apply(module, affine, inputs, params)
+  return _apply(module, affine, inputs, params, compute_dtype)
 
 
-def conv(module: hk.ConvND, original, inputs, *, precision=None):
+def conv(module: hk.ConvND, original, inputs, *, precision=None,
+         compute_dtype=None):
   """``hk.ConvND.__call__`` (``Conv1D``/``2D``/``3D``), immediate in a step."""
-  if not _stepping():
+  if _original(compute_dtype):
     return original(inputs, precision=precision)
   inputs = jnp.asarray(inputs)
   unbatched_rank = module.num_spatial_dims + 1
@@ -114,7 +128,7 @@ def conv(module: hk.ConvND, original, inputs, *, precision=None):
       out = out + jnp.broadcast_to(p["b"], out.shape)
     return out
 
-  out = _apply(module, convolution, inputs, params)
+  out = _apply(module, convolution, inputs, params, compute_dtype)
   return jnp.squeeze(out, axis=0) if unbatched else out
 
 
@@ -208,9 +222,9 @@ def rms_norm(module: hk.RMSNorm, original, inputs):
 
 
 def embed(module: hk.Embed, original, ids, lookup_style=None,
-          precision=None):
+          precision=None, *, compute_dtype=None):
   """``hk.Embed.__call__``, immediate in a step."""
-  if not _stepping():
+  if _original(compute_dtype):
     return original(ids, lookup_style, precision)
   ids = jnp.asarray(ids)
   if not jnp.issubdtype(ids.dtype, jnp.integer):
@@ -232,8 +246,13 @@ def embed(module: hk.Embed, original, ids, lookup_style=None,
       return jnp.dot(one_hot, p["embeddings"], precision=precision)
   else:
     raise NotImplementedError(f"{style} is not supported by hk.Embed.")
-  return _apply(module, lookup, ids, params)
+  return _apply(module, lookup, ids, params, compute_dtype)
 
+
+# Those that compute in ``immediate(compute_dtype=...)``: the matrix
+# products. Normalisations keep their inputs' dtype (float32 in usual mixed
+# precision practice).
+CASTING = (hk.Linear, hk.ConvND, hk.Embed)
 
 # The Haiku class that defines each supported ``__call__``, and ours for it.
 IMPLEMENTATIONS = {

@@ -2,17 +2,22 @@
 
 Trains one task three ways (plain, immgrad ``current``, immgrad
 ``updated``) from the same initialisation and data order, data parallel
-over simulated CPU devices, then prints a results table and writes
-``results.json`` and ``loss_curves.png`` to ``--out``. With
+over the default backend's local devices (4 simulated ones on the CPU),
+then prints a results table and writes ``results.json`` and
+``loss_curves.png`` to ``--out``. With
 ``--mode-sweep`` the immgrad methods are one per fraction ``a`` of the
 update that dX sees (``mode=a``), compared with ``a=0``; with
 ``--measure-dx`` each immgrad layer's dX change is recorded per step and
-plotted (``dx_change.png``). See ``python -m immgrad.experiments --help``
-and the README's "Does it train faster?" and "Between the modes".
+plotted (``dx_change.png``). A study too long for one process splits into
+runs by ``--lr``, ``--seeds`` and ``--methods``, each with its own
+``results.json``; ``--merge`` reports them as one run (docs/results/lm.md).
+See ``python -m immgrad.experiments --help`` and the README's "Does it
+train faster?" and "Between the modes".
 """
 
 import argparse
 import datetime
+import json
 import os
 import sys
 
@@ -25,7 +30,11 @@ from immgrad.experiments import train as train_lib
 # name -> (steps, batch size), default and --quick.
 SIZES = {"digits": ((600, 128), (150, 128)), "chars": ((500, 32), (120, 32)),
          "deep_mlp": ((2000, 128), (500, 128)),
-         "deep_transformer": ((2000, 8), (500, 8))}
+         "deep_transformer": ((2000, 8), (500, 8)),
+         # lm: 16,384 bytes a step for small and base (32 x 512).
+         "lm_tiny": ((300, 16), (40, 16)), "lm_small": ((3000, 32), (750, 32)),
+         "lm_base": ((2000, 32), (500, 32))}
+CPU_DEVICES = 4  # Simulated, where the default backend is the CPU.
 DEFAULT_MODES = [0.0, 0.25, 0.5, 1.0, -0.5]
 DEFAULT_SEEDS = {False: [0, 1, 2], True: [0]}  # By --quick.
 
@@ -37,15 +46,26 @@ def parse(argv):
                   "immediate updates (mode current and updated), and compare "
                   "them in steps and in wall time.")
   p.add_argument("--task", choices=sorted(tasks_lib.TASKS), default="digits")
-  p.add_argument("--optimizer", default="adam",
-                 choices=["sgd", "momentum", "adam", "adamw"])
+  p.add_argument("--size", choices=["tiny", "small", "base"], default=None,
+                 help="lm task: the model (default tiny: CPU, seconds; "
+                      "small ~10.9M and base ~85M parameters, context 512)")
+  p.add_argument("--remat", action="store_true",
+                 help="lm task: recompute each block's activations in the "
+                      "backward pass (hk.remat): less memory, ~23%% more "
+                      "FLOPs, the same for every method")
+  p.add_argument("--optimizer", default=None,
+                 choices=["sgd", "momentum", "adam", "adamw"],
+                 help="default: adamw for lm (warm-up and cosine decay, "
+                      "weight decay on matrices), else adam")
   p.add_argument("--lr", type=float, default=None,
                  help="learning rate (default: the task's for the optimizer)")
   p.add_argument("--steps", type=int, default=None)
   p.add_argument("--batch-size", type=int, default=None,
                  help="global batch size, split over the devices")
-  p.add_argument("--devices", type=int, default=4,
-                 help="simulated CPU devices to train data parallel on")
+  p.add_argument("--devices", type=int, default=None,
+                 help="devices to train data parallel on (default: all "
+                      "local devices of the default backend; 4 simulated "
+                      "ones where it is the CPU)")
   p.add_argument("--seeds", type=int, nargs="+", default=None,
                  help="seeds to repeat the run with; mean and spread are "
                       "reported (default: 0 1 2, or 0 with --quick)")
@@ -64,6 +84,16 @@ def parse(argv):
   p.add_argument("--modes", type=float, nargs="+", default=None,
                  help="the a of --mode-sweep (implies it; default 0 0.25 "
                       "0.5 1 -0.5; 0 is always added: it is the reference)")
+  p.add_argument("--methods", nargs="+", default=None,
+                 help="train only these of the run's methods (plain, "
+                      "current, updated, or a=<a> of --modes), to split a "
+                      "study into runs that each fit the time at hand; "
+                      "--merge reports them together")
+  p.add_argument("--merge", nargs="+", default=None, metavar="RESULTS_JSON",
+                 help="train nothing: report the runs of these results.json "
+                      "files (same task and settings, each lr and seed with "
+                      "every method) as one run, into --out; --lr picks the "
+                      "main table's learning rate")
   p.add_argument("--measure-dx", action="store_true",
                  help="record, per immediate layer and step, |dX_updated - "
                       "dX_current| / |dX_current| for every immgrad method "
@@ -75,7 +105,8 @@ def parse(argv):
                       "methods, which all of them reach)")
   p.add_argument("--eval-every", type=int, default=None)
   p.add_argument("--text", default=None,
-                 help="chars task: train on this text file instead of the "
+                 help="chars, deep_transformer and lm: train on this text "
+                      "file instead of the "
                       "Python standard library's source")
   p.add_argument("--quick", action="store_true",
                  help="a short run (about a quarter of the steps)")
@@ -86,133 +117,284 @@ def parse(argv):
   return p.parse_args(argv)
 
 
+def training_devices(requested=None) -> list:
+  """The devices to train on: ``requested`` many, or by default all local
+  devices of the default backend (``CPU_DEVICES`` simulated ones where that
+  is the CPU)."""
+  local = jax.local_devices()
+  backend = jax.default_backend()
+  n = requested or (CPU_DEVICES if backend == "cpu" else len(local))
+  if len(local) < n:
+    raise SystemExit(
+        f"immgrad.experiments: --devices {n}, but the {backend} backend has "
+        f"only {len(local)} local devices. Pass --devices {len(local)} (on "
+        "the CPU, more devices must be asked for before JAX starts).")
+  return local[:n]
+
+
 def main(argv=None):
   args = parse(argv)
+  if args.merge:
+    run, info = _load(args)
+  else:
+    run, info = _train(args)
+  out = args.out or datetime.datetime.now().strftime(
+      f"immgrad-experiment-{info['name']}-%Y%m%d-%H%M%S")
+  os.makedirs(out, exist_ok=True)
+  return _report(args, run, info, out)
+
+
+def _train(args):
+  """Trains every lr x seed; returns ``{(lr, seed): runs}`` and settings."""
   try:
-    jax.config.update("jax_num_cpu_devices", args.devices)
-  except RuntimeError as e:  # The backend started before us.
-    if jax.device_count() < args.devices:
-      raise SystemExit(f"immgrad.experiments: cannot make {args.devices} "
-                       f"devices: {e}") from e
-  if jax.device_count() < args.devices:
-    raise SystemExit(f"immgrad.experiments: --devices {args.devices}, but "
-                     f"only {jax.device_count()} are available.")
-  task = (tasks_lib.TASKS[args.task](args.text)
-          if args.task in tasks_lib.TEXT_TASKS else tasks_lib.TASKS[args.task]())
+    jax.config.update("jax_num_cpu_devices", args.devices or CPU_DEVICES)
+  except RuntimeError:  # The backend started before us: as it is.
+    pass
+  devices = training_devices(args.devices)
+  if (args.size or args.remat) and args.task != "lm":
+    raise SystemExit("immgrad.experiments: --size and --remat are for --task "
+                     "lm only.")
+  if args.task == "lm":
+    task = tasks_lib.lm(args.text, args.size or "tiny", remat=args.remat)
+  elif args.task in tasks_lib.TEXT_TASKS:
+    task = tasks_lib.TASKS[args.task](args.text)
+  else:
+    task = tasks_lib.TASKS[args.task]()
+  optimizer = args.optimizer or task.default_optimizer
   modes = None
   if args.mode_sweep or args.modes:
     modes = list(dict.fromkeys([0.0] + [float(a) for a in
                                         (args.modes or DEFAULT_MODES)]))
   methods = train_lib.methods_of(modes)
-  steps, batch_size = SIZES[args.task][1 if args.quick else 0]
+  if args.methods:
+    unknown = [m for m in args.methods if m not in methods]
+    if unknown:
+      raise SystemExit(f"immgrad.experiments: --methods {unknown} are not "
+                       f"among this run's methods {list(methods)}.")
+    methods = {m: mode for m, mode in methods.items() if m in args.methods}
+  steps, batch_size = SIZES[task.name][1 if args.quick else 0]
   steps = args.steps or steps
   batch_size = args.batch_size or batch_size
-  lr = args.lr or task.default_lr[args.optimizer]
-  args.seeds = args.seeds or DEFAULT_SEEDS[args.quick]
+  lr = args.lr or task.default_lr[optimizer]
+  seeds = args.seeds or DEFAULT_SEEDS[args.quick]
   eval_every = args.eval_every or max(1, steps // 10)
   lrs = [lr]
   if args.lr_sweep:
     lrs = sorted(set(args.lrs or [lr * 2.0 ** k for k in range(-3, 4)]) |
                  {lr})
-  out = args.out or datetime.datetime.now().strftime(
-      f"immgrad-experiment-{task.name}-%Y%m%d-%H%M%S")
-  os.makedirs(out, exist_ok=True)
-  settings = dict(task=task.name, optimizer=args.optimizer, lr=lr,
-                  steps=steps, batch_size=batch_size, devices=args.devices,
-                  seeds=args.seeds, lrs=lrs, eval_every=eval_every,
+  settings = dict(task=task.name, optimizer=optimizer, lr=lr,
+                  steps=steps, batch_size=batch_size, devices=len(devices),
+                  seeds=seeds, lrs=lrs, eval_every=eval_every,
                   target=args.target, quick=args.quick, modes=modes,
-                  methods=list(methods), measure_dx=args.measure_dx)
+                  methods=list(methods), measure_dx=args.measure_dx,
+                  lr_sweep=args.lr_sweep)
+  settings["command"] = _command(args, settings)
   print(f"task: {task.description}", file=sys.stderr)
   print(f"settings: {settings}", file=sys.stderr)
-
-  records, sanity, aggregates, summaries = [], [], {}, {}
+  run = {}
   for run_lr in lrs:
-    per_method = {m: [] for m in methods}
-    for seed in args.seeds:
+    for seed in seeds:
       bar = _progress(args, total=steps,
                       desc=f"{task.name} lr={run_lr:g} seed={seed}")
-      runs = train_lib.train(task, optimizer_name=args.optimizer, lr=run_lr,
-                             steps=steps, batch_size=batch_size, seed=seed,
-                             eval_every=eval_every, progress=bar,
-                             methods=methods, measure_dx=args.measure_dx)
+      run[run_lr, seed] = train_lib.train(
+          task, optimizer_name=optimizer, lr=run_lr, steps=steps,
+          batch_size=batch_size, seed=seed, eval_every=eval_every,
+          progress=bar, methods=methods, measure_dx=args.measure_dx,
+          devices=devices)
       if bar is not None:
         bar.close()
-      target = args.target or report.default_target(runs, steps)
-      for method, run in runs.items():
-        summary = report.summarise(run, runs["plain"], steps, target)
-        summary["target"] = target
-        per_method[method].append(summary)
-        record = dict(lr=run_lr, seed=seed, method=method,
-                      losses=run.losses, seconds=run.seconds,
-                      evals=run.evals, summary=summary)
-        if run.dx_change is not None:
-          record["dx_change"] = {k: [float(f"{v:.4g}") for v in vs]
-                                 for k, vs in run.dx_change.items()}
-          summary["dx"] = report.dx_summary(run.dx_change, run.diverged_at)
-        records.append(record)
+  info = dict(name=task.name, description=task.description,
+              loss_unit=task.loss_unit, settings=settings,
+              machine=report.machine())
+  return run, info
+
+
+def _command(args, settings: dict) -> str:
+  """The one command that repeats this run, every default spelled out."""
+  words = ["python -m immgrad.experiments", f"--task {args.task}"]
+  if args.size or args.task == "lm":
+    words.append(f"--size {args.size or 'tiny'}")
+  if args.remat:
+    words.append("--remat")
+  if args.text:
+    words.append(f"--text {args.text}")
+  words += [f"--optimizer {settings['optimizer']}",
+            f"--lr {settings['lr']!r}", f"--steps {settings['steps']}",
+            f"--batch-size {settings['batch_size']}",
+            f"--devices {settings['devices']}",
+            "--seeds " + " ".join(map(str, settings["seeds"]))]
+  if args.eval_every:
+    words.append(f"--eval-every {args.eval_every}")
+  if args.lr_sweep:
+    words.append("--lr-sweep" + (" --lrs " + " ".join(
+        repr(x) for x in args.lrs) if args.lrs else ""))
+  if args.mode_sweep and not args.modes:
+    words.append("--mode-sweep")
+  if args.modes:
+    words.append("--modes " + " ".join(f"{a:g}" for a in args.modes))
+  if args.methods:
+    words.append("--methods " + " ".join(args.methods))
+  if args.measure_dx:
+    words.append("--measure-dx")
+  if args.target is not None:
+    words.append(f"--target {args.target:g}")
+  return " ".join(words)
+
+
+def _load(args):
+  """``--merge``: the runs of several results.json, as if run together."""
+  loaded = []
+  for path in args.merge:
+    with open(path) as f:
+      loaded.append(json.load(f))
+  first = loaded[0]
+  for path, other in zip(args.merge, loaded):
+    for key in ("task", "loss_unit"):
+      if other[key] != first[key]:
+        raise SystemExit(f"immgrad.experiments --merge: {path} has {key} "
+                         f"{other[key]!r}, {args.merge[0]} {first[key]!r}: "
+                         "only runs of one task merge.")
+    for key in ("task", "optimizer", "steps", "batch_size", "eval_every"):
+      if other["settings"][key] != first["settings"][key]:
+        raise SystemExit(
+            f"immgrad.experiments --merge: {path} has {key} "
+            f"{other['settings'][key]!r}, {args.merge[0]} "
+            f"{first['settings'][key]!r}: only runs with the same settings "
+            "merge.")
+  run, methods, modes = {}, {}, set()
+  for path, payload in zip(args.merge, loaded):
+    modes |= set(payload["settings"]["modes"] or [])
+    for r in payload["runs"]:
+      key = (r["lr"], r["seed"])
+      if r["method"] in run.get(key, {}):
+        raise SystemExit(f"immgrad.experiments --merge: {r['method']} at lr "
+                         f"{r['lr']:g}, seed {r['seed']} is in two of the "
+                         f"files (again in {path}).")
+      methods[r["method"]] = True
+      run.setdefault(key, {})[r["method"]] = train_lib.Run(
+          r["method"], losses=r["losses"], seconds=r["seconds"],
+          evals=r["evals"], diverged_at=r["summary"]["diverged_at"],
+          compile_seconds=r["summary"]["compile_seconds"],
+          dx_change=r.get("dx_change"))
+  methods = sorted(methods, key=lambda m: (m != "plain", m))
+  for (lr, seed), runs in sorted(run.items()):
+    missing = [m for m in methods if m not in runs]
+    if missing:
+      raise SystemExit(f"immgrad.experiments --merge: lr {lr:g}, seed "
+                       f"{seed} lacks {missing}: every lr and seed needs "
+                       "every method.")
+    run[lr, seed] = {m: runs[m] for m in methods}
+  settings = dict(first["settings"])
+  lrs = sorted({lr for lr, _ in run})
+  settings.update(
+      lr=args.lr or settings["lr"], lrs=lrs,
+      seeds=sorted({seed for _, seed in run}), methods=methods,
+      modes=sorted(modes) or None, lr_sweep=len(lrs) > 1,
+      measure_dx=any(r.dx_change for runs in run.values()
+                     for r in runs.values()),
+      merged_from=[dict(path=p, command=x["settings"].get("command"),
+                        machine=x["machine"])
+                   for p, x in zip(args.merge, loaded)])
+  if settings["lr"] not in lrs:
+    raise SystemExit(f"immgrad.experiments --merge: --lr {settings['lr']:g} "
+                     f"is not among the runs' {lrs}.")
+  info = dict(name=settings["task"], description=first["task"],
+              loss_unit=first["loss_unit"], settings=settings,
+              machine=first["machine"])
+  return run, info
+
+
+def _report(args, run, info, out):
+  """Summaries, tables, checks, results.json and plots of ``run``."""
+  settings, unit, name = info["settings"], info["loss_unit"], info["name"]
+  lr, steps, methods = settings["lr"], settings["steps"], settings["methods"]
+  records, sanity, aggregates, summaries = [], [], {}, {}
+  for (run_lr, seed), runs in sorted(run.items()):
+    per_method = summaries.setdefault(run_lr, {m: [] for m in methods})
+    target = args.target or report.default_target(runs, steps)
+    for method, r in runs.items():
+      summary = report.summarise(r, runs.get("plain"), steps, target)
+      summary["target"] = target
+      per_method[method].append(summary)
+      record = dict(lr=run_lr, seed=seed, method=method, losses=r.losses,
+                    seconds=r.seconds, evals=r.evals, summary=summary)
+      if r.dx_change is not None:
+        record["dx_change"] = {k: [float(f"{v:.4g}") for v in vs]
+                               for k, vs in r.dx_change.items()}
+        summary["dx"] = report.dx_summary(r.dx_change, r.diverged_at)
+      records.append(record)
+    if "plain" in runs and report.reference_method(runs) in runs:
       sanity.append(dict(lr=run_lr, seed=seed, **report.sanity(runs)))
+  for run_lr, per_method in summaries.items():
     aggregates[run_lr] = {m: report.aggregate(
         [{k: v for k, v in s.items() if k != "dx"} for s in ss])
                           for m, ss in per_method.items()}
-    summaries[run_lr] = per_method
 
   main_records = [r for r in records if r["lr"] == lr]
-  text = [f"## {task.description}",
-          f"{args.optimizer}, lr {lr:g}, {steps} steps, batch {batch_size} "
-          f"over {args.devices} devices, seeds {args.seeds}", "",
-          report.table(aggregates[lr], task.loss_unit), ""]
+  text = [f"## {info['description']}",
+          f"{settings['optimizer']}, lr {lr:g}, {steps} steps, batch "
+          f"{settings['batch_size']} over {settings['devices']} devices, "
+          f"seeds {settings['seeds']}", "",
+          report.table(aggregates[lr], unit), ""]
   checks = [s for s in sanity if s["lr"] == lr]
   passed = all(s["passed"] for s in checks)
-  worst = max(s["max_relative_loss_difference_first_steps"] for s in checks)
-  whole = max(s["max_relative_loss_difference_whole_run"] for s in checks)
-  reference = report.reference_method(methods)
-  text.append(
-      f"Sanity check ({reference} reproduces plain): "
-      f"{'PASSED' if passed else 'FAILED'}: largest relative loss "
-      f"difference {worst:.2g} over the first {report.SANITY_STEPS} steps "
-      f"(must be <= {report.SANITY_RTOL:g}); {whole:.2g} over the whole run.")
+  if checks:
+    worst = max(s["max_relative_loss_difference_first_steps"]
+                for s in checks)
+    whole = max(s["max_relative_loss_difference_whole_run"] for s in checks)
+    text.append(
+        f"Sanity check ({checks[0]['reference']} reproduces plain): "
+        f"{'PASSED' if passed else 'FAILED'}: largest relative loss "
+        f"difference {worst:.2g} over the first {report.SANITY_STEPS} steps "
+        f"(must be <= {report.SANITY_RTOL:g}); {whole:.2g} over the whole "
+        "run.")
+  else:
+    text.append("Sanity check: not run (it needs plain and current or a=0; "
+                "merge runs that have them with --merge).")
   sweep = None
-  if args.lr_sweep:
+  if settings["lr_sweep"]:
     sweep = _sweep(aggregates, methods)
     text += ["", _sweep_table(sweep, aggregates, methods)]
   mode_sweep = None
-  if modes is not None:
-    mode_sweep, mode_text = _mode_sweep(summaries, lr, sweep, methods, task,
-                                        args.optimizer)
+  if settings["modes"] is not None and "a=0" in methods:
+    mode_sweep, mode_text = _mode_sweep(summaries, lr, sweep, methods, name,
+                                        settings["optimizer"], unit)
     text += ["", mode_text]
   dx_rows = None
-  if args.measure_dx:
+  if settings["measure_dx"]:
     dx_rows = _dx_rows(summaries, methods)
     text += ["", report.dx_table(dx_rows)]
   text += ["", report.__doc__.split("\n\n", 1)[1].strip()]
+  if settings.get("command"):
+    text += ["", f"Repeat this run with: {settings['command']}"]
   print("\n".join(text))
 
   report.write_json(os.path.join(out, "results.json"), dict(
-      settings=settings, task=task.description, loss_unit=task.loss_unit,
-      machine=report.machine(), aggregates={str(k): v for k, v in
-                                            aggregates.items()},
+      settings=settings, task=info["description"], loss_unit=unit,
+      machine=info["machine"], aggregates={str(k): v for k, v in
+                                           aggregates.items()},
       sanity=sanity, lr_sweep=sweep, mode_sweep=mode_sweep,
       dx_change=dx_rows, runs=records))
   report.plot(os.path.join(out, "loss_curves.png"), main_records, steps,
-              task.loss_unit, f"{task.name}: {args.optimizer} lr {lr:g}, "
-              f"seeds {args.seeds}")
+              unit, f"{name}: {settings['optimizer']} lr {lr:g}, "
+              f"seeds {settings['seeds']}")
   written = ["results.json", "loss_curves.png"]
-  if args.measure_dx:
+  if settings["measure_dx"]:
     report.plot_dx(os.path.join(out, "dx_change.png"), records,
-                   f"{task.name}: {args.optimizer}")
+                   f"{name}: {settings['optimizer']}")
     written.append("dx_change.png")
   print(f"\nwrote {', '.join(f'{out}/{w}' for w in written)}")
   return 0 if passed else 1
 
 
-def _mode_sweep(summaries, lr, sweep, methods, task, optimizer):
+def _mode_sweep(summaries, lr, sweep, methods, name, optimizer, unit):
   """The mode sweep's tables: at the main lr, at each lr, and each tuned."""
   out, texts = {}, []
-  head = f"{task.name}, {optimizer}"
+  head = f"{name}, {optimizer}"
   lrs = sorted(summaries) if sweep else [lr]
   for lr_value in lrs:
     t, result = report.mode_table(
-        summaries[lr_value], task.loss_unit,
+        summaries[lr_value], unit,
         f"Mode sweep, {head}, lr {lr_value:g}: final losses over seeds, "
         "and the paired difference from a=0 (positive: better than a=0).")
     out[str(lr_value)] = result
@@ -224,7 +406,7 @@ def _mode_sweep(summaries, lr, sweep, methods, task, optimizer):
       tuned[m] = (summaries[best][m] if best is not None else
                   summaries[lrs[0]][m])
     t, result = report.mode_table(
-        tuned, task.loss_unit,
+        tuned, unit,
         f"Mode sweep, {head}, each method at its own best lr ("
         + ", ".join(f"{m} {sweep[m]['best_lr']:g}" if sweep[m]["best_lr"]
                     else f"{m} -" for m in methods) + ").")

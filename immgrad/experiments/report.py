@@ -10,7 +10,8 @@ Definitions, printed under every table:
   how soon each gets there;
 * *seconds*: the sum of the method's own step times, compilation excluded;
 * *step time ratio*: the method's median step time over plain's median, in
-  the same interleaved run;
+  the same interleaved run (for runs joined with ``--merge``, plain's from
+  its own run, at the same lr and seed);
 * *sanity check*: ``current`` (``a=0`` in a mode sweep) must reproduce
   plain training; it passes if the per-step losses agree to a relative
   1e-4 over the first 20 steps, before float rounding (the two programs
@@ -70,14 +71,14 @@ def default_target(runs: dict, steps: int) -> Optional[float]:
 
 
 def summarise(run, plain, steps: int, target: Optional[float]) -> dict:
-  """The figures of one method in one run."""
+  """The figures of one method in one run (``plain``: None if not run)."""
   curve = smoothed(run.losses, window_of(steps))
   out = {"diverged_at": run.diverged_at,
          "compile_seconds": run.compile_seconds,
          "final_smoothed_train_loss": float(curve[-1]) if len(curve) else None,
          "median_step_seconds": float(np.median(run.seconds))
                                 if run.seconds else None}
-  if out["median_step_seconds"] and plain.seconds:
+  if out["median_step_seconds"] and plain is not None and plain.seconds:
     out["step_time_ratio"] = out["median_step_seconds"] / float(
         np.median(plain.seconds))
   for key in run.evals[-1] if run.evals else {}:
@@ -114,8 +115,11 @@ def sanity(runs: dict) -> dict:
       "first_steps": min(n, SANITY_STEPS),
       "max_relative_loss_difference_whole_run":
           float(np.max(rel)) if n else math.inf,
+      # Not kept in results.json: None for runs --merge read back.
       "max_final_parameter_difference": train_lib.max_param_difference(
-          runs[reference].final_params, runs["plain"].final_params),
+          runs[reference].final_params, runs["plain"].final_params)
+                                        if runs["plain"].final_params
+                                        is not None else None,
       "reference": reference,
       "passed": bool(early <= SANITY_RTOL),
   }

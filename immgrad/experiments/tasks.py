@@ -13,8 +13,12 @@
 * ``deep_transformer``: the chars data through a narrow 12-block
   transformer whose blocks run under ``hk.layer_stack`` (one stacked set of
   weights, scanned; each block steps its own slice).
+* ``lm``: a GPT-style decoder (pre-LN blocks, causal attention, learned
+  positions) on the same bytes, in three sizes (``LM_SIZES``: ``tiny`` for
+  CPU and CI, ``small`` ~10.9M and ``base`` ~85M parameters), bfloat16
+  compute with float32 weights for ``small`` and ``base`` on accelerators.
 
-Both models are unmodified Haiku wrapped in ``immgrad.haiku.immediate``,
+Every model is unmodified Haiku wrapped in ``immgrad.haiku.immediate``,
 which leaves them plain Haiku outside ``immgrad.value_and_grad``: the plain
 baseline trains the very same function.
 """
@@ -48,6 +52,7 @@ class Task:
   loss_unit: str  # What reported losses are measured in.
   loss_scale: float  # Training loss (nats) x loss_scale = reported loss.
   default_lr: dict  # optimizer name -> learning rate
+  default_optimizer: str = "adam"
 
 
 def _epochs(n: int, seed: int, size: int) -> Iterator[np.ndarray]:
@@ -203,23 +208,29 @@ def _stdlib_text(limit: int) -> tuple[bytes, str]:
 
 def chars(text: Optional[str] = None, limit: int = 2_000_000) -> Task:
   """A byte-level transformer LM; the last 10% of the text is held out."""
-  return _chars_task("chars", text, limit, SEQ, D_MODEL, HEADS, LAYERS,
-                     stacked=False,
-                     default_lr={"sgd": 0.3, "momentum": 0.1, "adam": 3e-3,
-                                 "adamw": 3e-3})
+  return _text_task(
+      "chars", text, limit, SEQ, _lm_of(SEQ, D_MODEL, HEADS, LAYERS, False),
+      f"byte-level transformer LM ({LAYERS} blocks, d_model {D_MODEL}, "
+      f"{HEADS} heads, context {SEQ})",
+      default_lr={"sgd": 0.3, "momentum": 0.1, "adam": 3e-3, "adamw": 3e-3})
 
 
 def deep_transformer(text: Optional[str] = None,
                      limit: int = 2_000_000) -> Task:
   """The chars LM, 12 narrow blocks deep, the blocks under hk.layer_stack."""
-  return _chars_task("deep_transformer", text, limit, DEEP_SEQ, DEEP_D_MODEL,
-                     DEEP_HEADS, DEEP_LAYERS, stacked=True,
-                     default_lr={"sgd": 0.1, "momentum": 0.1, "adam": 3e-3,
-                                 "adamw": 3e-3})
+  return _text_task(
+      "deep_transformer", text, limit, DEEP_SEQ,
+      _lm_of(DEEP_SEQ, DEEP_D_MODEL, DEEP_HEADS, DEEP_LAYERS, True),
+      f"byte-level transformer LM ({DEEP_LAYERS} blocks under "
+      f"hk.layer_stack, d_model {DEEP_D_MODEL}, {DEEP_HEADS} heads, context "
+      f"{DEEP_SEQ})",
+      default_lr={"sgd": 0.1, "momentum": 0.1, "adam": 3e-3, "adamw": 3e-3})
 
 
-def _chars_task(name, text, limit, seq, d_model, heads, layers, stacked,
-                default_lr) -> Task:
+def _text_task(name, text, limit, seq, forward, model_description,
+               default_lr, compute_dtype=None,
+               default_optimizer="adam") -> Task:
+  """A byte-level LM task on ``text`` (default: the standard library)."""
   if text is None:
     data, source = _stdlib_text(limit)
   else:
@@ -232,7 +243,7 @@ def _chars_task(name, text, limit, seq, d_model, heads, layers, stacked,
   split = int(0.9 * len(tokens))
   train, heldout = tokens[:split], tokens[split:]
   model = hk.without_apply_rng(hk.transform(immgrad.haiku.immediate(
-      _lm_of(seq, d_model, heads, layers, stacked))))
+      forward, compute_dtype=compute_dtype)))
 
   def windows(stream, starts):
     index = starts[:, None] + np.arange(seq + 1)[None]
@@ -240,7 +251,7 @@ def _chars_task(name, text, limit, seq, d_model, heads, layers, stacked,
     return chunk[:, :-1], chunk[:, 1:]
 
   def loss_fn(params, inputs, targets):
-    logits = model.apply(params, inputs)
+    logits = model.apply(params, inputs).astype(jnp.float32)
     return optax.softmax_cross_entropy_with_integer_labels(
         logits, targets).mean()
 
@@ -262,15 +273,93 @@ def _chars_task(name, text, limit, seq, d_model, heads, layers, stacked,
 
   return Task(
       name=name,
-      description=(f"byte-level transformer LM ({layers} blocks"
-                   f"{' under hk.layer_stack' if stacked else ''}, d_model "
-                   f"{d_model}, {heads} heads, context {seq}) on "
-                   f"{len(tokens):,} bytes of {source}, last 10% held out"),
+      description=(f"{model_description} on {len(tokens):,} bytes of "
+                   f"{source}, last 10% held out"),
       init=lambda seed: model.init(jax.random.PRNGKey(seed), train_eval[0]),
       loss_fn=loss_fn, batches=batches, evaluate=evaluate,
-      loss_unit="bits per byte", loss_scale=bits, default_lr=default_lr)
+      loss_unit="bits per byte", loss_scale=bits, default_lr=default_lr,
+      default_optimizer=default_optimizer)
+
+
+# -- lm: a GPT-style decoder ----------------------------------------------
+
+# size -> (blocks, d_model, heads, context). small: ~10.9M parameters,
+# base: GPT-2 small's 85M non-embedding parameters (a byte vocabulary).
+LM_SIZES = {"tiny": (2, 64, 4, 64), "small": (6, 384, 6, 512),
+            "base": (12, 768, 12, 512)}
+LM_DEFAULT_LR = {"tiny": 3e-3, "small": 1e-3, "base": 6e-4}  # adam(w).
+
+
+def _gpt(blocks: int, d_model: int, heads: int, seq: int, remat: bool):
+  """GPT-2's decoder: pre-LN blocks, causal attention, learned positions.
+
+  Initialised as GPT-2 (weights N(0, 0.02), the two residual projections
+  of each block N(0, 0.02 / sqrt(2 * blocks)), biases zero); the output
+  layer is its own (untied: one weight may reach one immediate layer).
+  Attention logits and softmax in float32 whatever the compute dtype.
+  ``remat``: each block under ``hk.remat`` (its activations recomputed in
+  the backward pass: one more forward pass, far less memory).
+  """
+  w = hk.initializers.RandomNormal(0.02)
+  w_out = hk.initializers.RandomNormal(0.02 / math.sqrt(2 * blocks))
+  head = d_model // heads
+
+  def attention(x, mask):
+    qkv = hk.Linear(3 * d_model, w_init=w)(x)
+    q, k, v = jnp.split(qkv.reshape(*x.shape[:-1], 3 * heads, head), 3, -2)
+    logits = jnp.einsum("bthd,bshd->bhts", q, k).astype(jnp.float32)
+    logits = jnp.where(mask, logits / math.sqrt(head), -1e30)
+    weights = jax.nn.softmax(logits).astype(v.dtype)
+    out = jnp.einsum("bhts,bshd->bthd", weights, v)
+    return hk.Linear(d_model, w_init=w_out)(out.reshape(x.shape))
+
+  def block(h):  # The residual stream stays float32.
+    mask = jnp.tril(jnp.ones((seq, seq), bool))
+    h = h + attention(hk.LayerNorm(-1, True, True)(h), mask)
+    m = hk.Linear(4 * d_model, w_init=w)(hk.LayerNorm(-1, True, True)(h))
+    return h + hk.Linear(d_model, w_init=w_out)(jax.nn.gelu(m))
+
+  def lm(tokens):
+    h = hk.Embed(VOCAB, d_model, w_init=w)(tokens)
+    h = h + hk.get_parameter("positions", (seq, d_model), init=w)
+    for _ in range(blocks):
+      h = (hk.remat(block) if remat else block)(h)
+    return hk.Linear(VOCAB, w_init=w)(hk.LayerNorm(-1, True, True)(h))
+
+  return lm
+
+
+def lm(text: Optional[str] = None, size: str = "tiny",
+       compute_dtype: Optional[Any] = "auto", remat: bool = False) -> Task:
+  """A GPT-style byte-level LM (``LM_SIZES``); last 10% of the text held out.
+
+  ``compute_dtype``: ``"auto"`` is bfloat16 for ``small`` and ``base`` on an
+  accelerator (float32 weights and optimizer state), else float32; or
+  ``None`` (float32) or a dtype. Every method trains the same arithmetic.
+  Default optimizer adamw (see ``train.optimizer``). ``tiny`` reads 2 MB
+  of the standard library, the others all its top-level source files.
+  ``remat``: every block under ``hk.remat`` (less memory, ~23% more FLOPs).
+  """
+  if size not in LM_SIZES:
+    raise ValueError(f"unknown lm size {size!r}: choose one of "
+                     f"{', '.join(LM_SIZES)}.")
+  blocks, d_model, heads, seq = LM_SIZES[size]
+  if compute_dtype == "auto":
+    compute_dtype = (jnp.bfloat16 if size != "tiny" and
+                     jax.default_backend() != "cpu" else None)
+  dtype = jnp.dtype(compute_dtype or jnp.float32).name
+  lr = LM_DEFAULT_LR[size]
+  return _text_task(
+      f"lm_{size}", text, 2_000_000 if size == "tiny" else 100_000_000, seq,
+      _gpt(blocks, d_model, heads, seq, remat),
+      f"GPT-style byte-level LM '{size}' ({blocks} pre-LN blocks, d_model "
+      f"{d_model}, {heads} heads, context {seq}, learned positions, "
+      f"{dtype} compute, float32 weights"
+      f"{', blocks under hk.remat' if remat else ''})",
+      default_lr={"sgd": 0.3, "momentum": 0.1, "adam": lr, "adamw": lr},
+      compute_dtype=compute_dtype, default_optimizer="adamw")
 
 
 TASKS = {"digits": digits, "chars": chars, "deep_mlp": deep_mlp,
-         "deep_transformer": deep_transformer}
-TEXT_TASKS = ("chars", "deep_transformer")  # Those that take --text.
+         "deep_transformer": deep_transformer, "lm": lm}
+TEXT_TASKS = ("chars", "deep_transformer", "lm")  # Those that take --text.

@@ -16,7 +16,7 @@ per fraction ``a`` of the update that dX sees, named ``a=0``, ``a=0.5``...:
 ``measure_dx`` every immgrad method also records, per immediate layer and
 step, ``|dX_updated - dX_current| / |dX_current|`` (``measure_dx=True``).
 
-Each step runs under ``jax.shard_map`` over all devices (the batch split
+Each step runs under ``jax.shard_map`` over the devices (the batch split
 along the data axis, parameters replicated) and is jitted with parameters
 and optimizer state donated. The methods take turns step by step, in an
 order that rotates every step, so drift in the machine's speed (another
@@ -65,7 +65,38 @@ def mode_name(a: float) -> str:
   return f"a={float(a):g}"
 
 
-def optimizer(name: str, lr: float) -> optax.GradientTransformation:
+WEIGHT_DECAY = 0.1  # adamw, on the leaves decay_mask selects.
+_NOT_DECAYED = ("b", "scale", "offset")  # Haiku's biases and norm params.
+
+
+def decay_mask(params: Any) -> Any:
+  """Which leaves adamw decays: GPT practice, weights but not biases/norms.
+
+  ``True`` for the weights of matrix products and embeddings (Haiku's
+  ``w``, ``embeddings``, and learned positions), ``False`` for biases and
+  LayerNorm scales and offsets, by the leaf's name, so stacked layers
+  (``hk.layer_stack``) are masked like unrolled ones.
+  """
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: getattr(path[-1], "key", None) not in _NOT_DECAYED,
+      params)
+
+
+def schedule(lr: float, steps: int) -> optax.Schedule:
+  """Linear warm-up from 0 over 5% of the steps, cosine decay to lr / 10."""
+  return optax.warmup_cosine_decay_schedule(
+      0.0, lr, warmup_steps=max(1, steps // 20), decay_steps=steps,
+      end_value=lr / 10)
+
+
+def optimizer(name: str, lr: float,
+              steps: int = 1000) -> optax.GradientTransformation:
+  """``name`` at ``lr``; ``adamw`` with :func:`schedule` over ``steps``.
+
+  adamw is the language-model recipe: betas (0.9, 0.95), weight decay
+  ``WEIGHT_DECAY`` on :func:`decay_mask`'s leaves, the learning rate
+  warmed up and decayed by :func:`schedule`. The others are constant.
+  """
   if name == "sgd":
     return optax.sgd(lr)
   if name == "momentum":
@@ -73,7 +104,8 @@ def optimizer(name: str, lr: float) -> optax.GradientTransformation:
   if name == "adam":
     return optax.adam(lr)
   if name == "adamw":
-    return optax.adamw(lr, weight_decay=1e-4)
+    return optax.adamw(schedule(lr, steps), b1=0.9, b2=0.95,
+                       weight_decay=WEIGHT_DECAY, mask=decay_mask)
   raise ValueError(f"unknown optimizer {name!r}: choose sgd, momentum, adam "
                    "or adamw.")
 
@@ -147,20 +179,21 @@ def _step_fn(method, mode, task, opt, mesh, measure_dx=False):
 def train(task, *, optimizer_name: str, lr: float, steps: int,
           batch_size: int, seed: int, eval_every: int,
           progress=None, methods: Optional[dict] = None,
-          measure_dx: bool = False) -> dict[str, Run]:
+          measure_dx: bool = False, devices=None) -> dict[str, Run]:
   """Trains ``task`` with every method; returns their records.
 
   ``methods``: name -> mode, from :func:`methods_of` (default: plain,
   current, updated). ``measure_dx``: record each immgrad method's dX change
-  per layer and step in ``Run.dx_change``.
+  per layer and step in ``Run.dx_change``. ``devices``: those to train
+  data parallel on (default: all).
   """
   methods = methods or methods_of()
   names = tuple(methods)
-  devices = jax.devices()
+  devices = list(devices or jax.devices())
   if batch_size % len(devices):
     raise ValueError(f"--batch-size {batch_size} must be a multiple of the "
                      f"number of devices ({len(devices)}).")
-  mesh = jax.make_mesh((len(devices),), (AXIS,))
+  mesh = jax.make_mesh((len(devices),), (AXIS,), devices=devices)
   replicated = NamedSharding(mesh, P())
   split = NamedSharding(mesh, P(AXIS))
   init = jax.device_get(task.init(seed))  # Fresh buffers per method.
@@ -168,8 +201,9 @@ def train(task, *, optimizer_name: str, lr: float, steps: int,
   first = next(task.batches(seed, batch_size))
   runs, state, compiled = {}, {}, {}
   for method, mode in methods.items():
-    tx, step = _step_fn(method, mode, task, optimizer(optimizer_name, lr),
-                        mesh, measure_dx=measure_dx)
+    tx, step = _step_fn(method, mode, task,
+                        optimizer(optimizer_name, lr, steps), mesh,
+                        measure_dx=measure_dx)
     params = jax.device_put(init, replicated)
     opt_state = jax.device_put(tx.init(init), replicated)
     start = time.perf_counter()
@@ -183,9 +217,9 @@ def train(task, *, optimizer_name: str, lr: float, steps: int,
 
   def evaluate(step_number):
     for method, run in runs.items():
-      if run.diverged_at is None:
-        run.evals.append({"step": step_number,
-                          **task.evaluate(state[method][0])})
+      if run.diverged_at is None:  # On one device, not once per replica.
+        params = jax.device_get(state[method][0])
+        run.evals.append({"step": step_number, **task.evaluate(params)})
 
   evaluate(0)
   for i in range(steps):
