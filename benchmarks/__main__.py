@@ -70,15 +70,15 @@ def accelerator_models() -> list:
   gpt = dict(blocks=12, d_model=768, heads=12, mlp_size=3072, seq=512)
   deep = dict(blocks=24, d_model=256, heads=4, mlp_size=1024, seq=256)
   return [
+      ("MLP 8x2048, batch 2048", lambda: models.mlp(8, 2048, 2048), None),
+      ("MLP 16x2048 under immgrad.scan, batch 1024",
+       lambda: models.scanned_mlp(16, 2048, 1024),
+       lambda: models.mlp(16, 2048, 1024)),
       ("Transformer LM (12 blocks, d 768, seq 512, batch 16), unrolled",
        lambda: models.transformer(batch=16, **gpt), None),
       ("Transformer LM (12 blocks, d 768, seq 512, batch 16), hk.layer_stack",
        lambda: models.transformer(batch=16, stacked=True, **gpt),
        "Transformer LM (12 blocks, d 768, seq 512, batch 16), unrolled"),
-      ("MLP 8x2048, batch 2048", lambda: models.mlp(8, 2048, 2048), None),
-      ("MLP 16x2048 under immgrad.scan, batch 1024",
-       lambda: models.scanned_mlp(16, 2048, 1024),
-       lambda: models.mlp(16, 2048, 1024)),
       (f"Transformer LM (24 blocks, d 256, seq 256, {16 * 24 + 6} leaves, "
        "batch 16)", lambda: models.transformer(batch=16, **deep), None),
   ]
