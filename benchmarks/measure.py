@@ -133,6 +133,10 @@ def measure_alone(candidates: list[Candidate], *, warmup: int, repeats: int,
       try:
         figures["device_ops"], state = device_ops(compiled, state, c.batch,
                                                   repeats)
+        steps = [v["total_us"] for k, v in figures["device_ops"].items()
+                 if k.endswith("| Steps")]
+        if steps:  # The device's own time per step (a TPU's "Steps" line).
+          figures["device_step_seconds"] = steps[0] / 1e6
       except Exception as e:  # pylint: disable=broad-except
         figures["device_ops"] = {"error": f"{type(e).__name__}: {e}"}
         state = []  # Lost in the failed trace: freed with it.
@@ -142,9 +146,26 @@ def measure_alone(candidates: list[Candidate], *, warmup: int, repeats: int,
   return out
 
 
-_OPCODE = re.compile(r"=\s*(?:\S+\s+)?([a-z][a-z0-9-]*)\(")
 _COUNTED = ("conditional", "while", "fusion", "transpose", "copy",
             "convolution", "dot", "select", "all-reduce", "custom-call")
+
+
+def _opcode(line: str) -> Optional[str]:
+  """The operation of one HLO instruction line (``%x = TYPE op(...)``)."""
+  if " = " not in line:
+    return None
+  rest = line.split(" = ", 1)[1]
+  if rest.startswith("("):  # A tuple type: skip to its closing parenthesis.
+    depth = 0
+    for i, ch in enumerate(rest):
+      depth += {"(": 1, ")": -1}.get(ch, 0)
+      if depth == 0:
+        rest = rest[i + 1:]
+        break
+  else:
+    rest = rest.split(" ", 1)[1] if " " in rest else ""
+  m = re.match(r"\s*([a-z][a-z0-9-]*)\(", rest)
+  return m.group(1) if m else None
 
 
 def hlo_counts(text: str) -> dict[str, int]:
@@ -160,10 +181,9 @@ def hlo_counts(text: str) -> dict[str, int]:
     if line and not line.startswith(" "):  # A computation's header.
       fused = "fused" in line.split("(")[0]
       continue
-    m = _OPCODE.search(line.split(", metadata=")[0])
-    if m and m.group(1) in _COUNTED and not (m.group(1) == "fusion" and
-                                              fused):
-      counts[m.group(1)] += 1
+    op = _opcode(line)
+    if op in _COUNTED and not (op == "fusion" and fused):
+      counts[op] += 1
   return {op: counts.get(op, 0) for op in _COUNTED}
 
 
