@@ -91,3 +91,14 @@ def _peaks(candidates, names):
           c.params, c.opt_state, *c.batch).compile()
       peaks[c.name] = measure._peak_bytes(compiled)  # pylint: disable=protected-access
   return peaks
+
+
+def test_hlo_counts_reads_tuple_typed_instructions():
+  """A conditional returning two arrays has a tuple type with spaces in it,
+  ``(f32[4]{0}, f32[4]{0}) conditional(...)``; it must still be counted (a
+  counter that split the type at the first space found none)."""
+  def f(x, p):
+    return jax.lax.cond(p, lambda x: (x * 2, x + 1), lambda x: (x, x), x)
+
+  text = jax.jit(f).lower(jax.numpy.ones(4), True).compile().as_text()
+  assert measure.hlo_counts(text)["conditional"] == 1
