@@ -104,8 +104,7 @@ def measure_alone(candidates: list[Candidate], *, warmup: int, repeats: int,
   out = {}
   for c in candidates:
     jitted = jax.jit(c.step, donate_argnums=(0, 1))
-    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a),
-                                                         np.result_type(a)),
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                           (c.params, c.opt_state, *c.batch))
     start = time.perf_counter()
     compiled = jitted.lower(*shapes).compile()

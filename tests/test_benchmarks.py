@@ -102,3 +102,18 @@ def test_hlo_counts_reads_tuple_typed_instructions():
 
   text = jax.jit(f).lower(jax.numpy.ones(4), True).compile().as_text()
   assert measure.hlo_counts(text)["conditional"] == 1
+
+
+def test_measuring_alone_compiles_the_program_a_user_runs():
+  """``measure_alone`` compiles each step from shapes alone (so that only
+  one method's buffers sit on the device); the program must be the one
+  compiled from the arrays themselves: same FLOPs and peak memory, both
+  deterministic, for a plain and an atomic immediate step."""
+  candidates = models.mlp(2, 64, 16, methods=("plain", "updated"))
+  alone = measure.measure_alone(candidates, warmup=0, repeats=1)
+  for c in candidates:
+    compiled = jax.jit(c.step, donate_argnums=(0, 1)).lower(
+        c.params, c.opt_state, *c.batch).compile()
+    assert alone[c.name]["flops"] == measure._flops(compiled)  # pylint: disable=protected-access
+    assert alone[c.name]["peak_bytes"] == measure._peak_bytes(compiled)  # pylint: disable=protected-access
+    assert alone[c.name]["median_step_seconds"] > 0
