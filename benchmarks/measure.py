@@ -214,8 +214,27 @@ def device_ops(compiled, state, batch, steps: int, top: int = 25):
           total[event.name] += event.duration_ns / 1e3 / steps
         lines[f"{plane.name} | {line.name}"] = {
             "total_us": sum(total.values()), "ops": len(total),
-            "top_us": dict(total.most_common(top))}
+            "top_us": dict(total.most_common(top)),
+            "by_kind_us": by_kind(total)}
   return lines, state
+
+
+def by_kind(times: dict[str, float]) -> dict[str, float]:
+  """Times of profiler events summed by HLO operation (fusions by kind).
+
+  A TPU's per-op events are named by their HLO instruction
+  (``%fusion.3 = f32[...] fusion(...), kind=kOutput, ...``): a fusion
+  counts as ``fusion:kOutput``, any other instruction as its operation,
+  and an event that is no instruction under its own name.
+  """
+  out = collections.Counter()
+  for name, t in times.items():
+    op = _opcode(name.split(", metadata=")[0])
+    if op == "fusion":
+      kind = re.search(r"kind=(k[A-Za-z]+)", name)
+      op = f"fusion:{kind.group(1)}" if kind else op
+    out[op or name] += t
+  return dict(out.most_common())
 
 
 def flops(candidates: list[Candidate]) -> dict[str, float]:

@@ -117,3 +117,20 @@ def test_measuring_alone_compiles_the_program_a_user_runs():
     assert alone[c.name]["flops"] == measure._flops(compiled)  # pylint: disable=protected-access
     assert alone[c.name]["peak_bytes"] == measure._peak_bytes(compiled)  # pylint: disable=protected-access
     assert alone[c.name]["median_step_seconds"] > 0
+
+
+def test_profiler_times_are_summed_by_operation():
+  """Per-op device times (a TPU trace names each event by its HLO
+  instruction) summed by operation, fusions by kind; tuple types too."""
+  times = {
+      "%fusion.3 = (f32[4]{0}, f32[4]{0}) fusion(f32[4]{0} %a), "
+      "kind=kOutput, calls=%f": 2.0,
+      "%fusion.4 = f32[4]{0} fusion(f32[4]{0} %a), kind=kLoop, calls=%g": 1.0,
+      "%fusion.5 = f32[4]{0} fusion(f32[4]{0} %b), kind=kLoop, calls=%h": 0.5,
+      "%cond.1 = (f32[4]{0}, s32[]) conditional(s32[] %p, (f32[4]{0}) %t)":
+          4.0,
+      "%copy.7 = f32[4]{0} copy(f32[4]{0} %a)": 0.25,
+      "idle": 8.0}
+  assert measure.by_kind(times) == {
+      "idle": 8.0, "conditional": 4.0, "fusion:kOutput": 2.0,
+      "fusion:kLoop": 1.5, "copy": 0.25}
