@@ -14,6 +14,18 @@ the same model unrolled. Writes ``benchmarks/results.json`` and
 ``--quick`` (under 5 minutes on 2 CPU cores) times 5 steps instead of 20,
 uses smaller batches and sweeps a narrower MLP to depth 16; the default
 follows the full settings below.
+
+On an accelerator (or with ``--sizes accelerator``) the models are sized
+for one: a GPT-small-shaped transformer (12 blocks, d 768, sequence 512)
+unrolled and under ``hk.layer_stack``, wide MLPs, and a 24-block many-leaf
+transformer; each method is compiled from shapes and run alone, its
+parameters and state freed before the next's (``measure.measure_alone``),
+and bytes accessed and counts of operations in the optimized HLO are
+recorded too. ``--models`` keeps the models whose names contain one of the
+given strings, ``--merge`` adds them to an existing results file,
+``--profile`` also traces each method with ``jax.profiler`` and records
+the device time of its longest operations, and ``--hlo-dir`` writes each
+step's optimized HLO. See docs/tpu.md.
 """
 
 import argparse
@@ -48,13 +60,130 @@ def settings(quick: bool) -> dict:
               depths=(2, 4, 8, 16, 32), sweep=dict(width=1024, batch=256))
 
 
+def accelerator_models() -> list:
+  """``(name, candidates, twin)`` for one accelerator chip (16 GB).
+
+  Built lazily: each model's parameters are made only when it is measured.
+  A twin is the loop-free model whose FLOPs a loop's figures take (or the
+  name of one measured before it).
+  """
+  gpt = dict(blocks=12, d_model=768, heads=12, mlp_size=3072, seq=512)
+  deep = dict(blocks=24, d_model=256, heads=4, mlp_size=1024, seq=256)
+  return [
+      ("MLP 8x2048, batch 2048", lambda: models.mlp(8, 2048, 2048), None),
+      ("MLP 16x2048 under immgrad.scan, batch 1024",
+       lambda: models.scanned_mlp(16, 2048, 1024),
+       lambda: models.mlp(16, 2048, 1024)),
+      ("Transformer LM (12 blocks, d 768, seq 512, batch 16), unrolled",
+       lambda: models.transformer(batch=16, **gpt), None),
+      ("Transformer LM (12 blocks, d 768, seq 512, batch 16), hk.layer_stack",
+       lambda: models.transformer(batch=16, stacked=True, **gpt),
+       "Transformer LM (12 blocks, d 768, seq 512, batch 16), unrolled"),
+      (f"Transformer LM (24 blocks, d 256, seq 256, {16 * 24 + 6} leaves, "
+       "batch 16)", lambda: models.transformer(batch=16, **deep), None),
+  ]
+
+
+def main_accelerator(args) -> int:
+  """The accelerator's models, each method measured alone."""
+  path = os.path.join(args.out, args.name or "results_accelerator.json")
+  results = {"settings": {"warmup": 3, "repeats": 20, "optimizer": "adam(1e-3)",
+                          "sizes": "accelerator"},
+             "machine": _machine(), "models": {}}
+  if args.merge and os.path.exists(path):
+    with open(path) as f:
+      results["models"] = json.load(f)["models"]
+  for name, make, twin in accelerator_models():
+    if args.models and not any(m in name for m in args.models):
+      continue
+    print(f"measuring {name} ...", file=sys.stderr, flush=True)
+    figures = measure.measure_alone(
+        make(), warmup=3, repeats=20,
+        hlo_dir=args.hlo_dir and os.path.join(args.hlo_dir, _slug(name)),
+        profile=bool(args.profile) and any(p in name for p in args.profile))
+    entry = {"figures": figures}
+    if twin is not None:  # A loop's FLOPs, from the same model unrolled.
+      if isinstance(twin, str):
+        unrolled = {m: f["flops"] for m, f in
+                    results["models"][twin]["figures"].items()}
+      else:
+        unrolled = measure.flops(twin())
+      for method, flops in unrolled.items():
+        figures[method]["flops_loop_body_once"] = figures[method]["flops"]
+        figures[method]["flops"] = flops
+      entry["flops_from"] = (twin if isinstance(twin, str) else
+                             "the same model unrolled")
+    keys = ("flops", "bytes_accessed", "peak_bytes", "median_step_seconds",
+            "compile_seconds")
+    entry["ratios"] = measure.ratios(figures, keys=keys)
+    entry["ratios_to_apply_if_finite"] = measure.ratios(
+        figures, baseline="plain + apply_if_finite", keys=keys)
+    results["models"][name] = entry
+    with open(path, "w") as f:  # After each model: a later one may fail.
+      json.dump(results, f, indent=1)
+  print(accelerator_table(results))
+  return 0
+
+
+def accelerator_table(results) -> str:
+  """docs/tpu.md's table: step times (wall, and the device's own where
+  traced), ratios to plain and to plain + apply_if_finite, HLO counts."""
+  rows = ["| model | method | step ms (wall) | / plain | / apply_if_finite "
+          "| device step ms | / plain | FLOPs | bytes accessed | peak memory "
+          "| compile | conditionals | copies | fusions |",
+          "| --- " * 14 + "|"]
+  for name, entry in results["models"].items():
+    label = name
+    base = entry["figures"]["plain"].get("device_step_seconds")
+    for method, f in entry["figures"].items():
+      r = entry["ratios"][method]
+      peer = entry["ratios_to_apply_if_finite"][method]
+      h = f["hlo"]
+      device = f.get("device_step_seconds")
+      device = (f"{device * 1e3:.2f} | {device / base:.3f}" if device and base
+                else "- | -")
+      rows.append(
+          f"| {label} | {method} | {f['median_step_seconds'] * 1e3:.2f} | "
+          f"{r['median_step_seconds']:.3f} | "
+          f"{peer['median_step_seconds']:.3f} | {device} | {r['flops']:.3f} | "
+          f"{r['bytes_accessed']:.3f} | {r['peak_bytes']:.3f} | "
+          f"{r['compile_seconds']:.2f} | {h['conditional']} | {h['copy']} | "
+          f"{h['fusion']} |")
+      label = ""
+  return "\n".join(rows)
+
+
+def _slug(name: str) -> str:
+  return "".join(c if c.isalnum() else "_" for c in name).strip("_")
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="python -m benchmarks",
                                    description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--out", default=HERE,
                       help="folder for results.json and depth.png")
+  parser.add_argument(
+      "--sizes", choices=("cpu", "accelerator"),
+      help="model sizes (default: by JAX's default backend)")
+  parser.add_argument("--name", help="results file name (accelerator sizes; "
+                      "default results_accelerator.json)")
+  parser.add_argument("--models", nargs="*",
+                      help="accelerator sizes: only models whose names "
+                      "contain one of these")
+  parser.add_argument("--merge", action="store_true",
+                      help="accelerator sizes: keep the results file's other "
+                      "models")
+  parser.add_argument("--profile", nargs="*",
+                      help="accelerator sizes: trace the models whose names "
+                      "contain one of these")
+  parser.add_argument("--hlo-dir", help="accelerator sizes: write each "
+                      "step's optimized HLO under this folder")
   args = parser.parse_args(argv)
+  sizes = args.sizes or ("cpu" if jax.default_backend() == "cpu"
+                         else "accelerator")
+  if sizes == "accelerator":
+    return main_accelerator(args)
   s = settings(args.quick)
   timing = dict(warmup=s["warmup"], repeats=s["repeats"])
   results = {"settings": {**s, "optimizer": "adam(1e-3)", "quick": args.quick},
@@ -172,6 +301,7 @@ def _machine() -> dict:
           "platform": platform.platform(), "cpu_count": os.cpu_count(),
           "python": platform.python_version(),
           "devices": [str(d) for d in jax.devices()],
+          "device_kind": jax.devices()[0].device_kind,
           "jax": jax.__version__, "optax": optax.__version__,
           "haiku": haiku.__version__, "immgrad": immgrad.__version__}
 

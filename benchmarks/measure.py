@@ -7,15 +7,28 @@ optimizer state are donated, as a user would run it:
 * peak memory: ``compiled.memory_analysis()``, temp + arguments + outputs
   - aliased (donated inputs reused as outputs), in bytes;
 * compile time: ``lower`` + ``compile``, wall seconds;
+* bytes accessed: ``compiled.cost_analysis()["bytes accessed"]``, XLA's
+  count of the bytes every operation reads and writes (a loop's body once);
 * step time: the median of ``repeats`` steps after ``warmup`` steps, each
-  timed from dispatch to ``block_until_ready``. The methods of one model
-  are timed interleaved (A, B, C, then B, C, A, ...), so that drift in the
-  machine's speed falls on all of them alike.
+  timed from dispatch to ``block_until_ready``.
+
+:func:`measure` keeps every method's buffers on the device and times the
+methods of one model interleaved (A, B, C, then B, C, A, ...), so that
+drift in the machine's speed falls on all of them alike (the CPU).
+:func:`measure_alone` compiles each method from shapes alone and puts
+only that method's parameters and state on the device, one method at a
+time, so that a model sized for an accelerator fits (on a TPU a step's
+time does not drift).
 """
 
+import collections
 import dataclasses
+import glob
+import os
+import re
+import tempfile
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import jax
 import numpy as np
@@ -26,16 +39,20 @@ class Candidate:
   """One method on one model: a step and the arguments it starts from."""
   name: str
   step: Callable  # (params, opt_state, *batch) -> (params, opt_state, loss)
-  params: Any
-  opt_state: Any
+  params: Any  # On the host (numpy): each measurement puts its own copy on
+  opt_state: Any  # the device, which the step donates.
   batch: tuple
 
 
-def _flops(compiled) -> float:
+def _cost(compiled) -> dict:
   cost = compiled.cost_analysis()
   if isinstance(cost, (list, tuple)):  # Older JAX: one dict per device.
     cost = cost[0]
-  return float(cost["flops"])
+  return cost
+
+
+def _flops(compiled) -> float:
+  return float(_cost(compiled)["flops"])
 
 
 def _peak_bytes(compiled) -> int:
@@ -56,7 +73,7 @@ def measure(candidates: list[Candidate], *, warmup: int,
                    "flops": _flops(compiled[c.name]),
                    "peak_bytes": _peak_bytes(compiled[c.name]),
                    "step_seconds": []}
-    state[c.name] = (c.params, c.opt_state)
+    state[c.name] = jax.device_put((c.params, c.opt_state))
   names = [c.name for c in candidates]
   batches = {c.name: c.batch for c in candidates}
   for i in range(warmup + repeats):
@@ -73,6 +90,153 @@ def measure(candidates: list[Candidate], *, warmup: int,
   return out
 
 
+def measure_alone(candidates: list[Candidate], *, warmup: int, repeats: int,
+                  hlo_dir: Optional[str] = None,
+                  profile: bool = False) -> dict[str, dict]:
+  """Figures for each candidate, one at a time; absolute values.
+
+  Besides :func:`measure`'s figures: bytes accessed, counts of operations
+  in the optimized HLO (:func:`hlo_counts`), and with ``profile`` the
+  device time of each operation over ``repeats`` more steps, from a
+  ``jax.profiler`` trace (:func:`device_ops`). With ``hlo_dir`` the
+  optimized HLO of each step is written there.
+  """
+  out = {}
+  for c in candidates:
+    jitted = jax.jit(c.step, donate_argnums=(0, 1))
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                          (c.params, c.opt_state, *c.batch))
+    start = time.perf_counter()
+    compiled = jitted.lower(*shapes).compile()
+    figures = {"compile_seconds": time.perf_counter() - start,
+               "flops": _flops(compiled),
+               "bytes_accessed": float(_cost(compiled)["bytes accessed"]),
+               "peak_bytes": _peak_bytes(compiled),
+               "hlo": hlo_counts(compiled.as_text())}
+    if hlo_dir is not None:
+      os.makedirs(hlo_dir, exist_ok=True)
+      name = re.sub(r"[^A-Za-z0-9.]+", "_", c.name).strip("_")
+      with open(os.path.join(hlo_dir, f"{name}.hlo.txt"), "w") as f:
+        f.write(compiled.as_text())
+    state = jax.device_put((c.params, c.opt_state))
+    times = []
+    for i in range(warmup + repeats):
+      start = time.perf_counter()
+      *state, loss = compiled(*state, *c.batch)
+      jax.block_until_ready((state, loss))
+      if i >= warmup:
+        times.append(time.perf_counter() - start)
+    figures["step_seconds"] = times
+    figures["median_step_seconds"] = float(np.median(times))
+    if profile:
+      try:
+        figures["device_ops"], state = device_ops(compiled, state, c.batch,
+                                                  repeats)
+        steps = [v["total_us"] for k, v in figures["device_ops"].items()
+                 if k.endswith("| Steps")]
+        if steps:  # The device's own time per step (a TPU's "Steps" line).
+          figures["device_step_seconds"] = steps[0] / 1e6
+      except Exception as e:  # pylint: disable=broad-except
+        figures["device_ops"] = {"error": f"{type(e).__name__}: {e}"}
+        state = []  # Lost in the failed trace: freed with it.
+    jax.tree.map(lambda a: a.delete(), state)  # Before the next method's.
+    del compiled
+    out[c.name] = figures
+  return out
+
+
+_COUNTED = ("conditional", "while", "fusion", "transpose", "copy",
+            "convolution", "dot", "select", "all-reduce", "custom-call")
+
+
+def _opcode(line: str) -> Optional[str]:
+  """The operation of one HLO instruction line (``%x = TYPE op(...)``)."""
+  if " = " not in line:
+    return None
+  rest = line.split(" = ", 1)[1]
+  if rest.startswith("("):  # A tuple type: skip to its closing parenthesis.
+    depth = 0
+    for i, ch in enumerate(rest):
+      depth += {"(": 1, ")": -1}.get(ch, 0)
+      if depth == 0:
+        rest = rest[i + 1:]
+        break
+  else:
+    rest = rest.split(" ", 1)[1] if " " in rest else ""
+  m = re.match(r"\s*([a-z][a-z0-9-]*)\(", rest)
+  return m.group(1) if m else None
+
+
+def hlo_counts(text: str) -> dict[str, int]:
+  """How many of some operations an optimized HLO module holds.
+
+  Counted in every computation, fused ones included (a transpose inside a
+  fusion counts), except ``fusion``, which counts the fused kernels: the
+  fusion instructions of the unfused computations.
+  """
+  counts = collections.Counter()
+  fused = False
+  for line in text.splitlines():
+    if line and not line.startswith(" "):  # A computation's header.
+      fused = "fused" in line.split("(")[0]
+      continue
+    op = _opcode(line)
+    if op in _COUNTED and not (op == "fusion" and fused):
+      counts[op] += 1
+  return {op: counts.get(op, 0) for op in _COUNTED}
+
+
+def device_ops(compiled, state, batch, steps: int, top: int = 25):
+  """Device time per operation over ``steps`` steps, from a profiler trace.
+
+  Returns the times and the state after those steps.
+
+  Sums the durations of the events on each device plane's lines (on a TPU
+  the line "XLA Ops" holds one event per HLO operation run) and keeps the
+  ``top`` longest operations of each line, in microseconds per step. On a
+  CPU the events are the host threads' (no per-op device time).
+  """
+  with tempfile.TemporaryDirectory() as folder:
+    with jax.profiler.trace(folder):
+      for _ in range(steps):
+        *state, loss = compiled(*state, *batch)
+      jax.block_until_ready((state, loss))
+    (path,) = glob.glob(os.path.join(folder, "**", "*.xplane.pb"),
+                        recursive=True)
+    data = jax.profiler.ProfileData.from_file(path)
+    lines = {}
+    for plane in data.planes:
+      if not plane.name.startswith("/device:"):
+        continue
+      for line in plane.lines:
+        total = collections.Counter()
+        for event in line.events:
+          total[event.name] += event.duration_ns / 1e3 / steps
+        lines[f"{plane.name} | {line.name}"] = {
+            "total_us": sum(total.values()), "ops": len(total),
+            "top_us": dict(total.most_common(top)),
+            "by_kind_us": by_kind(total)}
+  return lines, state
+
+
+def by_kind(times: dict[str, float]) -> dict[str, float]:
+  """Times of profiler events summed by HLO operation (fusions by kind).
+
+  A TPU's per-op events are named by their HLO instruction
+  (``%fusion.3 = f32[...] fusion(...), kind=kOutput, ...``): a fusion
+  counts as ``fusion:kOutput``, any other instruction as its operation,
+  and an event that is no instruction under its own name.
+  """
+  out = collections.Counter()
+  for name, t in times.items():
+    op = _opcode(name.split(", metadata=")[0])
+    if op == "fusion":
+      kind = re.search(r"kind=(k[A-Za-z]+)", name)
+      op = f"fusion:{kind.group(1)}" if kind else op
+    out[op or name] += t
+  return dict(out.most_common())
+
+
 def flops(candidates: list[Candidate]) -> dict[str, float]:
   """Each candidate's FLOPs, compiled only (for a loop-free twin of a model:
   XLA's cost analysis counts a loop's body once, whatever its trip count)."""
@@ -80,10 +244,10 @@ def flops(candidates: list[Candidate]) -> dict[str, float]:
       c.params, c.opt_state, *c.batch).compile()) for c in candidates}
 
 
-def ratios(figures: dict[str, dict], baseline: str = "plain") -> dict:
+def ratios(figures: dict[str, dict], baseline: str = "plain",
+           keys=("flops", "peak_bytes", "median_step_seconds",
+                 "compile_seconds")) -> dict:
   """Each candidate's figures divided by the baseline's, same run."""
   base = figures[baseline]
-  return {name: {key: f[key] / base[key] for key in
-                 ("flops", "peak_bytes", "median_step_seconds",
-                  "compile_seconds")}
+  return {name: {key: f[key] / base[key] for key in keys}
           for name, f in figures.items()}

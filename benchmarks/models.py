@@ -33,9 +33,10 @@ METHODS = ("plain", "plain + apply_if_finite", "current", "updated",
            "current (atomic=False)", "updated (atomic=False)")
 
 
-def _fresh(tree):
-  """New device buffers for one candidate (each donates its own)."""
-  return jax.device_put(jax.tree.map(np.asarray, tree))
+def _host(tree):
+  """A candidate's own copy on the host (its measurement puts it on the
+  device, where the step donates it)."""
+  return jax.tree.map(np.asarray, tree)
 
 
 def candidates_for(loss_fn: Callable, params, batch,
@@ -60,8 +61,8 @@ def candidates_for(loss_fn: Callable, params, batch,
         loss, grads = grad_fn(params, opt_state, *batch)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
-    p = _fresh(params)
-    out.append(Candidate(method, step, p, _fresh(tx.init(p)), batch))
+    p = _host(params)
+    out.append(Candidate(method, step, p, _host(tx.init(p)), batch))
   return out
 
 
@@ -98,9 +99,9 @@ def mlp(depth: int, width: int, batch: int, *, methods=METHODS):
                        [m for m in methods if m != "naive"])
   if "naive" in methods:
     opt = optax.adam(1e-3)
-    p = _fresh(params)
+    p = _host(params)
     out.append(Candidate("naive", _naive_step(depth, opt), p,
-                         _fresh({k: opt.init(v) for k, v in p.items()}),
+                         _host({k: opt.init(v) for k, v in p.items()}),
                          (x, y)))
   return out
 

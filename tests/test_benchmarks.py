@@ -91,3 +91,46 @@ def _peaks(candidates, names):
           c.params, c.opt_state, *c.batch).compile()
       peaks[c.name] = measure._peak_bytes(compiled)  # pylint: disable=protected-access
   return peaks
+
+
+def test_hlo_counts_reads_tuple_typed_instructions():
+  """A conditional returning two arrays has a tuple type with spaces in it,
+  ``(f32[4]{0}, f32[4]{0}) conditional(...)``; it must still be counted (a
+  counter that split the type at the first space found none)."""
+  def f(x, p):
+    return jax.lax.cond(p, lambda x: (x * 2, x + 1), lambda x: (x, x), x)
+
+  text = jax.jit(f).lower(jax.numpy.ones(4), True).compile().as_text()
+  assert measure.hlo_counts(text)["conditional"] == 1
+
+
+def test_measuring_alone_compiles_the_program_a_user_runs():
+  """``measure_alone`` compiles each step from shapes alone (so that only
+  one method's buffers sit on the device); the program must be the one
+  compiled from the arrays themselves: same FLOPs and peak memory, both
+  deterministic, for a plain and an atomic immediate step."""
+  candidates = models.mlp(2, 64, 16, methods=("plain", "updated"))
+  alone = measure.measure_alone(candidates, warmup=0, repeats=1)
+  for c in candidates:
+    compiled = jax.jit(c.step, donate_argnums=(0, 1)).lower(
+        c.params, c.opt_state, *c.batch).compile()
+    assert alone[c.name]["flops"] == measure._flops(compiled)  # pylint: disable=protected-access
+    assert alone[c.name]["peak_bytes"] == measure._peak_bytes(compiled)  # pylint: disable=protected-access
+    assert alone[c.name]["median_step_seconds"] > 0
+
+
+def test_profiler_times_are_summed_by_operation():
+  """Per-op device times (a TPU trace names each event by its HLO
+  instruction) summed by operation, fusions by kind; tuple types too."""
+  times = {
+      "%fusion.3 = (f32[4]{0}, f32[4]{0}) fusion(f32[4]{0} %a), "
+      "kind=kOutput, calls=%f": 2.0,
+      "%fusion.4 = f32[4]{0} fusion(f32[4]{0} %a), kind=kLoop, calls=%g": 1.0,
+      "%fusion.5 = f32[4]{0} fusion(f32[4]{0} %b), kind=kLoop, calls=%h": 0.5,
+      "%cond.1 = (f32[4]{0}, s32[]) conditional(s32[] %p, (f32[4]{0}) %t)":
+          4.0,
+      "%copy.7 = f32[4]{0} copy(f32[4]{0} %a)": 0.25,
+      "idle": 8.0}
+  assert measure.by_kind(times) == {
+      "idle": 8.0, "conditional": 4.0, "fusion:kOutput": 2.0,
+      "fusion:kLoop": 1.5, "copy": 0.25}
