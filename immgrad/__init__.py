@@ -2,6 +2,9 @@
 
 from importlib import metadata as _metadata
 
+from immgrad._src.auto import Layers as Layers
+from immgrad._src.auto import immediate as immediate
+from immgrad._src.auto import layers as layers
 from immgrad._src.checkpoint import restore_checkpoint as restore_checkpoint
 from immgrad._src.checkpoint import save_checkpoint as save_checkpoint
 from immgrad._src.clipping import clip_by_layer_norm as clip_by_layer_norm
@@ -36,13 +39,16 @@ except _metadata.PackageNotFoundError:  # Imported from a source tree.
 
 __all__ = (
     "ImmediateGrad",
+    "Layers",
     "ShimState",
     "ShimTransformation",
     "Stepped",
     "checkpoint",
     "clip_by_layer_norm",
     "haiku",
+    "immediate",
     "immediate_layer",
+    "layers",
     "restore_checkpoint",
     "save_checkpoint",
     "scan",

@@ -1,0 +1,482 @@
+"""``immediate`` and ``layers``: immediate layers found in the traced program.
+
+``immediate(fun)`` needs no adapter and no decorated layer. Inside
+``immgrad.value_and_grad`` it traces ``fun`` to a jaxpr (nested ``jit``
+calls inlined) and follows, equation by equation, which values derive from
+the parameters alone (a cast, a transpose, a broadcast, ``A @ B``, weight
+standardisation: *preprocessing*) and which from the other arguments
+(*activations*). An equation that combines the two (``dot_general``,
+``conv_general_dilated``, the ``mul`` of a norm's scale, the ``gather`` of
+an embedding, a ``custom_jvp``/``custom_vjp`` call) is a *layer*. A layer
+is immediate when every parameter leaf it reads reaches nothing but it:
+then it runs as ``immediate_layer(lambda x, raw: prim(x, preprocess(raw)))``
+on the very leaves the step handed in, so ``mode="updated"`` takes dX at the
+processed new weights. Every other equation runs as traced.
+
+A leaf that reaches two layers (tied embeddings), a loop that reuses it
+every iteration (a ``lax.scan`` closing over it), the function's output or
+a parameter-only term combined with the loss (an L2 penalty, which is then
+a layer of its own) keeps an ordinary gradient, as does every leaf its
+layer reads with it. :func:`layers` reports each leaf's fate. Parameters
+combined with activations inside ``cond``, ``switch`` or ``while_loop`` are
+refused; inside ``scan`` (stacked layers), ``jax.checkpoint`` and other
+transformations that keep an inner program, not supported yet.
+"""
+
+import dataclasses
+import functools
+from typing import Any, Callable, Optional
+
+import jax
+from jax.extend import core as jex_core
+from jax.extend import source_info_util
+import jax.numpy as jnp
+import numpy as np
+
+from immgrad._src import compat
+from immgrad._src import context
+from immgrad._src.layer import immediate_layer
+
+_INLINED = frozenset({"jit", "pjit", "closed_call", "core_call"})
+_ONE_LAYER = frozenset({"custom_jvp_call", "custom_vjp_call",
+                        "custom_vjp_call_jaxpr"})
+_REFUSED = frozenset({"cond", "while"})
+
+_BRANCH = (
+    "immgrad.immediate: parameter {path} meets activations inside `{prim}` "
+    "({where}). A branch or a loop may run its layer zero or many times a "
+    "step, and each run would step the weights. Compute the layer outside "
+    "the `{prim}` (e.g. both branches, then `jnp.where`), or select "
+    "parameters with it rather than activations.")
+
+_UNSUPPORTED = (
+    "immgrad.immediate: parameter {path} meets activations inside `{prim}` "
+    "({where}), which immgrad.immediate does not support yet. Use "
+    "immgrad.immediate_layer with immgrad.scan or immgrad.checkpoint, or a "
+    "library adapter (immgrad.haiku, immgrad.flax, immgrad.equinox).")
+
+_NOT_A_PARAMETER = (
+    "immgrad.immediate: params{path} (argument {argnums}) is not a parameter "
+    "leaf given to immgrad.value_and_grad. Pass the params tree the step "
+    "hands the loss, unchanged; cast or transform it inside `fun`.")
+
+
+@dataclasses.dataclass(eq=False)
+class _Node:
+  """One equation, with inputs and outputs renamed to program-wide ints."""
+  eqn: Any
+  ins: list  # An int (a value of the program) or a Literal.
+  outs: list
+
+  @property
+  def where(self) -> str:
+    return source_info_util.summarize(self.eqn.source_info)
+
+
+@dataclasses.dataclass
+class _Program:
+  """``fun`` as a flat list of equations over numbered values."""
+  nodes: list
+  inputs: list  # The numbers of the traced arguments, in order.
+  consts: dict  # number -> value (the jaxpr's constants).
+  outs: list  # Numbers (or Literals) of the outputs.
+  out_tree: Any
+
+
+def _trace(fun, leaves, treedef) -> _Program:
+  """Traces ``fun(*treedef.unflatten(leaves))``, inlining nested calls.
+
+  Non-array leaves (flags, None, Python numbers) are static, as under jit.
+  """
+  dynamic = [i for i, l in enumerate(leaves) if _is_array(l)]
+
+  def flat(*values):
+    full = list(leaves)
+    for i, v in zip(dynamic, values):
+      full[i] = v
+    return fun(*treedef.unflatten(full))
+
+  closed, shape = jax.make_jaxpr(flat, return_shape=True)(
+      *[leaves[i] for i in dynamic])
+  nodes, consts, counter = [], {}, iter(range(1 << 62))
+
+  def read(env, v):
+    return v if isinstance(v, jex_core.Literal) else env[v]
+
+  def inline(jaxpr, const_values, args):
+    env = {}
+    for v, value in zip(jaxpr.constvars, const_values):
+      env[v] = next(counter)
+      consts[env[v]] = value
+    env.update(zip(jaxpr.invars, args))
+    for eqn in jaxpr.eqns:
+      ins = [read(env, v) for v in eqn.invars]
+      if eqn.primitive.name in _INLINED:
+        inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+        if isinstance(inner, jex_core.ClosedJaxpr):
+          outs = inline(inner.jaxpr, inner.consts, ins)
+        else:
+          outs = inline(inner, (), ins)
+        env.update(zip(eqn.outvars, outs))
+        continue
+      outs = [next(counter) for _ in eqn.outvars]
+      env.update(zip(eqn.outvars, outs))
+      nodes.append(_Node(eqn, ins, outs))
+    return [read(env, v) for v in jaxpr.outvars]
+
+  inputs = [next(counter) for _ in dynamic]
+  outs = inline(closed.jaxpr, closed.consts, inputs)
+  position = {i: n for i, n in zip(dynamic, inputs)}
+  return _Program(nodes, [position.get(i) for i in range(len(leaves))],
+                  consts, outs, jax.tree.structure(shape))
+
+
+def _is_array(x) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, np.generic,
+                        jax.ShapeDtypeStruct))
+
+
+def _is_float(x) -> bool:
+  return _is_array(x) and jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+@dataclasses.dataclass
+class _Plan:
+  """Which equations are layers, and which parameter leaves they step."""
+  params: dict  # value number -> parameter leaf index (float leaves only).
+  taint: dict  # value number -> frozenset of leaf indices, or None (act).
+  layers: list  # Every _Node that combines parameters and activations.
+  immediate: dict  # leaf index -> its immediate layer _Node.
+  ordinary: dict  # leaf index -> why it keeps an ordinary gradient.
+  sinks: dict  # leaf index -> list of (node or None, why).
+
+
+_ACT = None  # The taint of a value that depends on an activation.
+
+
+def _plan(program: _Program, params: dict, paths: list) -> _Plan:
+  """Follows parameters through ``program``; decides the immediate layers."""
+  taint = {n: frozenset() for n in program.consts}
+  for n in program.inputs:
+    if n is not None:
+      taint[n] = _ACT
+  for n, leaf in params.items():
+    taint[n] = frozenset({leaf})
+  for n, value in program.consts.items():
+    if isinstance(value, jax.core.Tracer):  # Closed over from the caller.
+      taint[n] = _ACT
+  sinks = {leaf: [] for leaf in params.values()}
+  layers = []
+
+  def of(v):
+    return frozenset() if isinstance(v, jex_core.Literal) else taint[v]
+
+  for node in program.nodes:
+    ins = [of(v) for v in node.ins]
+    act = any(t is _ACT for t in ins)
+    reads = frozenset().union(*[t for t in ins if t is not _ACT])
+    if act and reads:
+      _check_mixed(node, ins, paths)
+      if node.eqn.primitive.name == "scan":
+        for leaf in reads:
+          sinks[leaf].append((None, f"reused by every iteration of `scan` "
+                                    f"({node.where})"))
+      else:
+        layers.append(node)
+        for leaf in reads:
+          sinks[leaf].append((node, None))
+    for n in node.outs:
+      taint[n] = _ACT if act else reads
+  for v in program.outs:
+    for leaf in of(v) or ():
+      sinks[leaf].append((None, "returned by the function"))
+  immediate, ordinary = {}, {}
+  for node in layers:
+    reads = frozenset().union(
+        *[of(v) for v in node.ins if of(v) is not _ACT])
+    shared = [leaf for leaf in reads if sinks[leaf] != [(node, None)]]
+    for leaf in reads:
+      if not shared:
+        immediate[leaf] = node
+      elif leaf in shared:
+        ordinary[leaf] = _why(sinks[leaf])
+      else:
+        ordinary[leaf] = (f"its layer `{node.eqn.primitive.name}` "
+                          f"({node.where}) also reads {paths[shared[0]]}, "
+                          f"which is ordinary")
+  for leaf, uses in sinks.items():
+    if leaf not in immediate and leaf not in ordinary:
+      ordinary[leaf] = _why(uses) if uses else "unused"
+  return _Plan(params, taint, layers, immediate, ordinary, sinks)
+
+
+def _why(uses) -> str:
+  """Why a leaf with these uses keeps an ordinary gradient."""
+  layers = [node for node, _ in uses if node is not None]
+  others = [why for node, why in uses if node is None]
+  if others:
+    return others[0] + (f", and read by {len(layers)} layer(s)"
+                        if layers else "")
+  named = ", ".join(f"`{n.eqn.primitive.name}` ({n.where})" for n in layers)
+  return f"read by {len(set(layers))} layers: {named}"
+
+
+def _check_mixed(node: _Node, ins: list, paths: list) -> None:
+  """Refuses parameters meeting activations where no layer can step once."""
+  name = node.eqn.primitive.name
+  first = paths[min(frozenset().union(*[t for t in ins if t is not _ACT]))]
+  if name in _REFUSED:
+    raise ValueError(_BRANCH.format(path=first, prim=name, where=node.where))
+  if name == "scan":
+    consts = node.eqn.params["num_consts"]
+    if any(t is not _ACT and t for t in ins[consts:]):
+      raise ValueError(_UNSUPPORTED.format(path=first, prim=name,
+                                           where=node.where))
+  elif name not in _ONE_LAYER and list(
+      jex_core.jaxprs_in_params(node.eqn.params)):
+    raise ValueError(_UNSUPPORTED.format(path=first, prim=name,
+                                         where=node.where))
+
+
+def _bind(node: _Node, values: list) -> list:
+  eqn = node.eqn
+  subfuns, params = compat.bind_params(eqn.primitive, eqn.params)
+  with source_info_util.user_context(eqn.source_info.traceback), \
+      eqn.ctx.manager:
+    out = eqn.primitive.bind(*subfuns, *values, **params)
+  return list(out) if node.eqn.primitive.multiple_results else [out]
+
+
+def _run(program: _Program, plan: _Plan, values: list) -> list:
+  """Evaluates ``program``; each immediate layer through immediate_layer."""
+  env = dict(program.consts)
+  env.update((n, v) for n, v in zip(program.inputs, values) if n is not None)
+  producer = {n: node for node in program.nodes for n in node.outs}
+  done = set(plan.immediate)
+
+  def read(v):
+    return v.val if isinstance(v, jex_core.Literal) else env[v]
+
+  def of(v):
+    return frozenset() if isinstance(v, jex_core.Literal) else plan.taint[v]
+
+  layers = {id(node) for node in plan.immediate.values()}
+  for node in program.nodes:
+    ins = [of(v) for v in node.ins]
+    reads = frozenset().union(*[t for t in ins if t is not _ACT])
+    if id(node) in layers:
+      env.update(zip(node.outs, _layer(node, plan, producer, read)))
+    elif all(t is not _ACT for t in ins) and reads and reads <= done:
+      continue  # Preprocessing that only an immediate layer needs.
+    else:
+      env.update(zip(node.outs, _bind(node, [read(v) for v in node.ins])))
+  return [read(v) for v in program.outs]
+
+
+def _layer(node: _Node, plan: _Plan, producer: dict, read) -> list:
+  """``node`` as an immediate layer of its parameters' raw leaves."""
+  acts = [i for i, v in enumerate(node.ins)
+          if not isinstance(v, jex_core.Literal) and plan.taint[v] is _ACT]
+  raw = sorted(n for n, leaf in plan.params.items()
+               if plan.immediate.get(leaf) is node)
+  preprocess, seen = [], set()
+
+  def need(v):  # The parameter-only equations node's weights come from.
+    if isinstance(v, jex_core.Literal) or v in seen or v not in producer:
+      return
+    seen.add(v)
+    for u in producer[v].ins:
+      need(u)
+    if producer[v] not in preprocess:
+      preprocess.append(producer[v])
+
+  for i, v in enumerate(node.ins):
+    if i not in acts:
+      need(v)
+
+  def fun(x, weights):
+    local = dict(zip(raw, weights))
+
+    def get(v):
+      if isinstance(v, jex_core.Literal):
+        return v.val
+      return local[v] if v in local else read(v)
+
+    for pre in preprocess:
+      local.update(zip(pre.outs, _bind(pre, [get(u) for u in pre.ins])))
+    ins = [get(v) for v in node.ins]
+    for i, value in zip(acts, x):
+      ins[i] = value
+    return _bind(node, ins)
+
+  name = f"{node.eqn.primitive.name} ({node.where})"
+  return immediate_layer(fun, name=name)(
+      [read(node.ins[i]) for i in acts], [read(n) for n in raw])
+
+
+def _flatten(args: tuple, kwargs: dict, argnums: int, fun_name: str):
+  """The leaves of ``(params, other args, kwargs)``, and how to call back."""
+  if not isinstance(argnums, int) or not 0 <= argnums < len(args):
+    raise ValueError(
+        f"immgrad.immediate: {fun_name} was called with {len(args)} "
+        f"positional argument(s), so argnums={argnums!r} names no parameter "
+        f"tree. Pass the params tree positionally at argnums.")
+  params, others = args[argnums], args[:argnums] + args[argnums + 1:]
+  keyed, _ = jax.tree_util.tree_flatten_with_path(params)
+  paths = [jax.tree_util.keystr(k) for k, _ in keyed]
+  leaves, treedef = jax.tree.flatten((params, others, kwargs))
+  return leaves, treedef, paths
+
+
+def _analyse(fun, argnums, args, kwargs):
+  """Traces ``fun`` and plans its layers: (program, plan, leaves, paths)."""
+  name = getattr(fun, "__qualname__", repr(fun))
+  leaves, treedef, paths = _flatten(args, kwargs, argnums, name)
+
+  def call(params, others, kwargs):
+    return fun(*others[:argnums], params, *others[argnums:], **kwargs)
+
+  program = _trace(call, leaves, treedef)
+  params = {program.inputs[i]: i for i in range(len(paths))
+            if _is_float(leaves[i])}
+  return program, _plan(program, params, paths), leaves, paths
+
+
+def immediate(fun: Callable[..., Any], *, argnums: int = 0
+              ) -> Callable[..., Any]:
+  """Makes every layer JAX traces in ``fun`` an immediate layer.
+
+  Args:
+    fun: any JAX function taking the parameter tree as positional argument
+      ``argnums``: a loss, a Haiku or Linen ``apply``, an NNX
+      ``merge``-and-call, raw JAX. Non-array arguments are static, as
+      under ``jax.jit``.
+    argnums: the position of the parameter tree among ``fun``'s arguments.
+
+  Returns:
+    ``fun``, except inside ``immgrad.value_and_grad``: there each equation
+    that combines parameter-only values with activations, and whose
+    parameter leaves reach nothing else, is an immediate layer stepped in
+    the backward pass; every other parameter keeps an ordinary gradient
+    (see :func:`layers` for which and why).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import immgrad
+    >>> def model(params, x):
+    ...   h = jax.nn.relu(x @ params["w1"] + params["b1"])
+    ...   return h @ params["w2"]
+    >>> params = {"w1": jnp.full((2, 3), 0.5), "b1": jnp.zeros(3),
+    ...           "w2": jnp.full((3, 1), 0.5)}
+    >>> net = immgrad.immediate(model)
+    >>> def loss_fn(params, x, y):
+    ...   return jnp.mean((net(params, x) - y) ** 2)
+    >>> tx = immgrad.shim(optax.sgd(0.1))
+    >>> step = jax.jit(immgrad.value_and_grad(loss_fn, tx))
+    >>> loss, grads = step(params, tx.init(params), jnp.ones((4, 2)),
+    ...                    jnp.zeros((4, 1)))
+    >>> sorted(k for k, g in grads.items()
+    ...        if isinstance(g, immgrad.ImmediateGrad))
+    ['b1', 'w1', 'w2']
+  """
+  if not callable(fun):
+    raise TypeError(f"immgrad.immediate expects a function, got {fun!r}.")
+
+  @functools.wraps(fun)
+  def wrapped(*args, **kwargs):
+    step = context.current()
+    if step is None:
+      return fun(*args, **kwargs)
+    program, plan, leaves, paths = _analyse(fun, argnums, args, kwargs)
+    for i in plan.params.values():
+      if step.find(leaves[i], "immgrad.immediate") is None:
+        raise ValueError(_NOT_A_PARAMETER.format(path=paths[i],
+                                                 argnums=argnums))
+    values = [leaves[i] for i, n in enumerate(program.inputs) if n is not None]
+    outs = _run(program, plan, values)
+    return jax.tree.unflatten(program.out_tree, outs)
+
+  wrapped.immediate_fun = (fun, argnums)
+  return wrapped
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  """One parameter leaf: the layer that steps it, or why none does."""
+  path: str
+  shape: str  # e.g. "f32[3,4]".
+  layer: Optional[str]  # e.g. "dot_general -> f32[8,4]", None if ordinary.
+  source: Optional[str]  # The user's line that made the layer.
+  why: Optional[str]  # Why the leaf keeps an ordinary gradient.
+
+
+class Layers(tuple):
+  """:func:`layers`'s answer: a tuple of :class:`Row`, printable as a table.
+
+  ``table[path]`` (a string such as ``"['w']"``) is that leaf's row.
+  """
+
+  def __getitem__(self, key):
+    if isinstance(key, str):
+      for row in self:
+        if row.path == key:
+          return row
+      raise KeyError(key)
+    return super().__getitem__(key)
+
+  def __str__(self) -> str:
+    cells = [(r.path, r.shape, r.layer or "ordinary",
+              r.source if r.layer else r.why) for r in self]
+    cells.insert(0, ("parameter", "shape", "layer", "source / why ordinary"))
+    widths = [max(len(c[i]) for c in cells) for i in range(3)]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(cell[:3], widths)) + "  " +
+        cell[3] for cell in cells)
+
+
+def layers(fun: Callable[..., Any], params: Any, *args, **kwargs) -> Layers:
+  """What :func:`immediate` makes of ``fun(params, *args, **kwargs)``.
+
+  Args:
+    fun: a function as for :func:`immediate`, or one it returned (then its
+      ``argnums`` places ``params`` among ``args``).
+    params: the parameter tree.
+    *args: ``fun``'s other arguments (arrays or ``jax.ShapeDtypeStruct``).
+    **kwargs: its keyword arguments.
+
+  Returns:
+    A :class:`Layers`: for each parameter leaf, the layer that steps it
+    (primitive, output shape, the user's source line), or why it keeps an
+    ordinary gradient. ``print`` it for a table.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import immgrad
+    >>> def model(params, tokens):
+    ...   h = params["embed"][tokens]  # Tied: also the output projection.
+    ...   return (h * params["scale"]) @ params["embed"].T
+    >>> params = {"embed": jnp.ones((10, 4)), "scale": jnp.ones(4)}
+    >>> table = immgrad.layers(model, params, jnp.zeros(3, jnp.int32))
+    >>> table["['scale']"].layer
+    'mul -> float32[3,4]'
+    >>> table["['embed']"].why.startswith("read by 2 layers")
+    True
+  """
+  fun, argnums = getattr(fun, "immediate_fun", (fun, 0))
+  args = args[:argnums] + (params,) + args[argnums:]
+  _, plan, leaves, paths = _analyse(fun, argnums, args, kwargs)
+  rows = []
+  for i, path in enumerate(paths):
+    shape = jax.core.ShapedArray(jnp.shape(leaves[i]),
+                                 jnp.result_type(leaves[i])).str_short()
+    node = plan.immediate.get(i)
+    if node is not None:
+      out = node.eqn.outvars[0].aval.str_short()
+      rows.append(Row(path, shape, f"{node.eqn.primitive.name} -> {out}",
+                      node.where, None))
+    elif i in plan.ordinary:
+      rows.append(Row(path, shape, None, None, plan.ordinary[i]))
+    else:
+      rows.append(Row(path, shape, None, None,
+                      "not floating point: no gradient"))
+  return Layers(rows)
