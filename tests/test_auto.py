@@ -1,0 +1,258 @@
+"""``immgrad.immediate``: raw JAX models made immediate with no adapter.
+
+References are independent of immgrad: ``oracles.plain_steps`` (plain
+``jax.value_and_grad`` + optax) for ``mode="current"`` and
+``oracles.sequential_steps`` (the hand-written sequential
+re-linearization) for ``mode="updated"``.
+
+Tolerance, as in test_current.py and test_updated.py: atol=1e-6,
+rtol=1e-5 over five steps. ``immediate`` replays the very primitives JAX
+traced, so the forward pass is the same arithmetic; the optimizer runs
+inside the backward rule, where XLA may fuse it differently (an FMA, a
+division folded into a multiply): an ulp or two per step, grown by five
+steps to a few dozen. The smallest difference these tests guard against,
+dX from the new weights, moves these models by more than 1e-3 (checked
+below for each updated-mode comparison), and a layer silently left
+ordinary is caught by asserting which leaves were stepped immediately.
+"""
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import immgrad
+import oracles
+
+ATOL, RTOL = 1e-6, 1e-5
+STEPS = 5
+
+OPTIMIZERS = {
+    "sgd": lambda: optax.sgd(0.05),
+    "adam": lambda: optax.adam(1e-2),
+}
+
+
+def _normal(key, shape, scale=None):
+  scale = 1 / np.sqrt(shape[0]) if scale is None else scale
+  return scale * jax.random.normal(key, shape)
+
+
+def _mse(out, y):
+  return jnp.mean((out - y) ** 2)
+
+
+# Raw JAX models: (model(params, x), params, x shape, y shape).
+
+
+def _mlp():
+  chain, params = oracles.mlp([6, 16, 16, 3], jax.random.PRNGKey(0))
+  return chain.apply, params, (8, 6), (8, 3)
+
+
+def _attention():
+  d, heads, k = 8, 2, 4
+  keys = jax.random.split(jax.random.PRNGKey(0), 4)
+  params = {"ln": {"scale": jnp.ones(d), "bias": jnp.zeros(d)},
+            "wq": _normal(keys[0], (d, heads, k)),
+            "wk": _normal(keys[1], (d, heads, k)),
+            "wv": _normal(keys[2], (d, heads, k)),
+            "wo": _normal(keys[3], (heads, k, d), 1 / np.sqrt(heads * k))}
+
+  def model(p, x):
+    mean = x.mean(-1, keepdims=True)
+    normed = (x - mean) * lax.rsqrt(((x - mean) ** 2).mean(-1, keepdims=True)
+                                    + 1e-6)
+    h = normed * p["ln"]["scale"] + p["ln"]["bias"]
+    q = jnp.einsum("btd,dhk->bhtk", h, p["wq"])
+    kk = jnp.einsum("btd,dhk->bhtk", h, p["wk"])
+    v = jnp.einsum("btd,dhk->bhtk", h, p["wv"])
+    s = jnp.einsum("bhtk,bhsk->bhts", q, kk) / np.sqrt(k)
+    causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), bool))
+    a = jax.nn.softmax(jnp.where(causal, s, -1e9), axis=-1)
+    o = jnp.einsum("bhts,bhsk->bthk", a, v)
+    return x + jnp.einsum("bthk,hkd->btd", o, p["wo"])
+
+  return model, params, (4, 5, d), (4, 5, d)
+
+
+def _gated_mlp():
+  keys = jax.random.split(jax.random.PRNGKey(0), 3)
+  params = {"w1": _normal(keys[0], (6, 12)), "w2": _normal(keys[1], (6, 12)),
+            "w3": _normal(keys[2], (12, 3))}
+
+  def model(p, x):
+    return (jax.nn.silu(x @ p["w1"]) * (x @ p["w2"])) @ p["w3"]
+
+  return model, params, (8, 6), (8, 3)
+
+
+def _standardised(w):
+  """Weight standardisation over all axes but the last (output) one."""
+  axes = tuple(range(w.ndim - 1))
+  mean = w.mean(axes, keepdims=True)
+  return (w - mean) / jnp.sqrt(w.var(axes, keepdims=True) + 1e-5)
+
+
+def _lowrank(x, p):
+  return x @ (p["A"] @ p["B"])
+
+
+def _scale(x, p):
+  return x * p["g"]
+
+
+def _ws_dense(x, p):
+  return x @ _standardised(p["w"])
+
+
+def _custom_chain():
+  """A low-rank layer, a learnt scale, a weight-standardised dense layer."""
+  keys = jax.random.split(jax.random.PRNGKey(0), 3)
+  params = {"lowrank": {"A": _normal(keys[0], (6, 3)),
+                        "B": _normal(keys[1], (3, 16))},
+            "scale": {"g": jnp.linspace(0.5, 1.5, 16)},
+            "ws": {"w": _normal(keys[2], (16, 3))}}
+  chain = oracles.Chain((_lowrank, _scale, _ws_dense),
+                        ("lowrank", "scale", "ws"),
+                        (jnp.tanh, oracles.identity, oracles.identity), _mse)
+  return chain, params
+
+
+def _lowrank_model():
+  chain, params = _custom_chain()
+  return chain.apply, params, (8, 6), (8, 3)
+
+
+def _ws_conv():
+  keys = jax.random.split(jax.random.PRNGKey(0), 2)
+  params = {"conv": {"w": _normal(keys[0], (3, 3, 2, 4), 0.3),
+                     "b": jnp.zeros(4)},
+            "out": {"w": _normal(keys[1], (4, 3))}}
+
+  def model(p, x):
+    h = lax.conv_general_dilated(x, _standardised(p["conv"]["w"]), (1, 1),
+                                 "SAME",
+                                 dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    h = jax.nn.relu(h + p["conv"]["b"])
+    return h.mean((1, 2)) @ p["out"]["w"]
+
+  return model, params, (4, 6, 6, 2), (4, 3)
+
+
+def _tied_lm():
+  vocab, d = 11, 8
+  keys = jax.random.split(jax.random.PRNGKey(0), 2)
+  params = {"embed": _normal(keys[0], (vocab, d), 1.0),
+            "mlp": {"w": _normal(keys[1], (d, d)), "b": jnp.zeros(d)}}
+
+  def model(p, tokens):
+    h = p["embed"][tokens]
+    h = h + jax.nn.relu(h @ p["mlp"]["w"] + p["mlp"]["b"])
+    return h @ p["embed"].T  # Tied: the embedding is the output layer too.
+
+  return model, params, (4, 5), None
+
+
+MODELS = {
+    "mlp": (_mlp, None),
+    "attention": (_attention, None),
+    "gated_mlp": (_gated_mlp, None),
+    "lowrank_scale_ws": (_lowrank_model, None),
+    "ws_conv": (_ws_conv, None),
+    # The tied embedding reaches two layers: it keeps an ordinary gradient.
+    "tied_lm": (_tied_lm, {"['embed']"}),
+}
+
+
+def _loss_fn(model, lm):
+  if lm:
+    def loss_fn(params, tokens):
+      logits = model(params, tokens[:, :-1])
+      return optax.softmax_cross_entropy_with_integer_labels(
+          logits, tokens[:, 1:]).mean()
+  else:
+    def loss_fn(params, x, y):
+      return _mse(model(params, x), y)
+  return loss_fn
+
+
+def _data(x_shape, y_shape, vocab=11):
+  if y_shape is None:  # Token ids, one sequence longer than the logits.
+    keys = jax.random.split(jax.random.PRNGKey(1), STEPS)
+    return [(jax.random.randint(k, (x_shape[0], x_shape[1] + 1), 0, vocab),)
+            for k in keys]
+  return oracles.batches(jax.random.PRNGKey(1), STEPS, x_shape, y_shape)
+
+
+def _paths(tree):
+  return [jax.tree_util.keystr(k)
+          for k, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def _stepped_immediately(loss_fn, params, batch, mode="current"):
+  """The paths of the leaves one step stepped in its backward pass."""
+  tx = immgrad.shim(optax.sgd(0.1))
+  _, grads = jax.jit(immgrad.value_and_grad(loss_fn, tx, mode=mode))(
+      params, tx.init(params), *batch)
+  is_leaf = lambda g: isinstance(g, (immgrad.ImmediateGrad, immgrad.Stepped))
+  keyed = jax.tree_util.tree_flatten_with_path(grads, is_leaf=is_leaf)[0]
+  return {jax.tree_util.keystr(k) for k, g in keyed
+          if isinstance(g, immgrad.ImmediateGrad)}
+
+
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
+@pytest.mark.parametrize("name", list(MODELS))
+def test_current_equals_plain_training(name, opt):
+  make, ordinary = MODELS[name]
+  model, params, x_shape, y_shape = make()
+  loss_fn = _loss_fn(model, y_shape is None)
+  data = _data(x_shape, y_shape)
+  auto_loss = immgrad.immediate(loss_fn)
+  expected_immediate = set(_paths(params)) - (ordinary or set())
+  assert _stepped_immediately(auto_loss, params, data[0]) == (
+      expected_immediate)
+  expected = oracles.plain_steps(loss_fn, OPTIMIZERS[opt](), params, data)
+  got = oracles.immediate_steps(auto_loss, OPTIMIZERS[opt](), params, data,
+                                mode="current")
+  oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
+
+
+def test_l2_term_leaves_those_parameters_ordinary():
+  model, params, x_shape, y_shape = _mlp()
+
+  def loss_fn(params, x, y):
+    l2 = sum(jnp.sum(p["w"] ** 2) for p in params.values())
+    return _mse(model(params, x), y) + 1e-3 * l2
+
+  data = _data(x_shape, y_shape)
+  auto_loss = immgrad.immediate(loss_fn)
+  table = immgrad.layers(loss_fn, params, *data[0])
+  for path in _paths(params):
+    assert (table[path].layer is None) == path.endswith("['w']"), table
+  assert _stepped_immediately(auto_loss, params, data[0]) == {
+      p for p in _paths(params) if p.endswith("['b']")}
+  for opt in OPTIMIZERS.values():
+    expected = oracles.plain_steps(loss_fn, opt(), params, data)
+    got = oracles.immediate_steps(auto_loss, opt(), params, data,
+                                  mode="current")
+    oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
+@pytest.mark.parametrize("make", [
+    lambda: oracles.mlp([6, 16, 16, 3], jax.random.PRNGKey(0)),
+    _custom_chain], ids=["mlp", "lowrank_scale_ws"])
+def test_updated_equals_sequential_relinearization(make, opt):
+  chain, params = make()
+  data = oracles.batches(jax.random.PRNGKey(1), STEPS, (8, 6), (8, 3))
+  loss_fn = immgrad.immediate(chain.loss_fn())
+  expected = oracles.sequential_steps(chain, OPTIMIZERS[opt](), params, data)
+  got = oracles.immediate_steps(loss_fn, OPTIMIZERS[opt](), params, data,
+                                mode="updated")
+  oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
+  current = oracles.immediate_steps(loss_fn, OPTIMIZERS[opt](), params, data,
+                                    mode="current")
+  assert oracles.max_abs_diff(got[0][-1], current[0][-1]) > 1e-3
