@@ -256,3 +256,128 @@ def test_updated_equals_sequential_relinearization(make, opt):
   current = oracles.immediate_steps(loss_fn, OPTIMIZERS[opt](), params, data,
                                     mode="current")
   assert oracles.max_abs_diff(got[0][-1], current[0][-1]) > 1e-3
+
+
+# Library models: immgrad.immediate on the program equals the adapters on
+# the modules, where both make the same layers immediate. Measured equal
+# bit for bit here (the same primitives in the same order); the tolerance
+# is test_current.py's, for backends that fuse the two programs apart.
+# Attention without biases: a key projection's bias has a rounding-noise
+# gradient (softmax ignores it), which adam turns into steps of +-lr.
+# No LayerNorm in "updated": Haiku and Flax fold the scale into the inverse
+# standard deviation, so the program's layer is that product and dX through
+# the centred input sees the old scale, where the adapters' layer, the
+# whole module, sees the new one (docs/auto.md).
+
+VOCAB, D = 11, 8
+
+
+def _token_data():
+  keys = jax.random.split(jax.random.PRNGKey(1), STEPS)
+  return [(jax.random.randint(k, (4, 6), 0, VOCAB),) for k in keys]
+
+
+def _lm_loss(apply):
+  def loss_fn(params, tokens):
+    logits = apply(params, tokens[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits, tokens[:, 1:]).mean()
+  return loss_fn
+
+
+def _haiku_forward(norm):
+  import haiku as hk  # pylint: disable=g-import-not-at-top
+
+  def forward(tokens):
+    h = hk.Embed(VOCAB, D)(tokens)
+    h = h + hk.MultiHeadAttention(
+        2, 4, w_init=hk.initializers.VarianceScaling(1.0),
+        with_bias=False)(h, h, h)
+    if norm:
+      h = hk.LayerNorm(-1, True, True)(h)
+    h = h + hk.nets.MLP([16, D])(h)
+    return hk.Linear(VOCAB)(h)
+
+  return forward
+
+
+@pytest.mark.parametrize("norm,mode", [(False, "current"), (False, "updated"),
+                                       (True, "current")])
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
+def test_haiku_model_equals_the_adapter(opt, norm, mode):
+  import haiku as hk  # pylint: disable=g-import-not-at-top
+  import immgrad.haiku  # pylint: disable=g-import-not-at-top,unused-import
+  forward = _haiku_forward(norm)
+  model = hk.without_apply_rng(hk.transform(forward))
+  adapted = hk.without_apply_rng(hk.transform(immgrad.haiku.immediate(
+      forward)))
+  data = _token_data()
+  params = model.init(jax.random.PRNGKey(0), data[0][0][:, :-1])
+  auto_loss = _lm_loss(immgrad.immediate(model.apply))
+  assert _stepped_immediately(auto_loss, params, data[0]) == set(
+      _paths(params))
+  got = oracles.immediate_steps(auto_loss, OPTIMIZERS[opt](), params, data,
+                                mode=mode)
+  expected = oracles.immediate_steps(_lm_loss(adapted.apply),
+                                     OPTIMIZERS[opt](), params, data,
+                                     mode=mode)
+  oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
+
+
+def _nnx_lm():
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  class LM(nnx.Module):
+
+    def __init__(self, rngs):
+      self.embed = nnx.Embed(VOCAB, D, rngs=rngs)
+      self.attention = nnx.MultiHeadAttention(2, D, use_bias=False,
+                                              decode=False, rngs=rngs)
+      self.up = nnx.Linear(D, 2 * D, rngs=rngs)
+      self.down = nnx.Linear(2 * D, D, rngs=rngs)
+      self.head = nnx.Linear(D, VOCAB, rngs=rngs)
+
+    def __call__(self, tokens):
+      h = self.embed(tokens)
+      h = h + self.attention(h, mask=nnx.make_causal_mask(tokens))
+      h = h + self.down(nnx.gelu(self.up(h)))
+      return self.head(h)
+
+  graphdef, params = nnx.split(LM(nnx.Rngs(0)), nnx.Param)
+  return lambda p, tokens: nnx.merge(graphdef, p)(tokens), params
+
+
+def _linen_lm(data):
+  from flax import linen as nn  # pylint: disable=g-import-not-at-top
+
+  class LM(nn.Module):
+
+    @nn.compact
+    def __call__(self, tokens):
+      h = nn.Embed(VOCAB, D)(tokens)
+      h = h + nn.MultiHeadDotProductAttention(num_heads=2, use_bias=False)(
+          h, mask=nn.make_causal_mask(tokens))
+      h = h + nn.Dense(D)(nn.gelu(nn.Dense(2 * D)(h)))
+      return nn.Dense(VOCAB)(h)
+
+  model = LM()
+  params = model.init(jax.random.PRNGKey(0), data[0][0][:, :-1])["params"]
+  return lambda p, tokens: model.apply({"params": p}, tokens), params
+
+
+@pytest.mark.parametrize("mode", ["current", "updated"])
+@pytest.mark.parametrize("api", ["nnx", "linen"])
+def test_flax_model_equals_the_adapter(api, mode):
+  import immgrad.flax  # pylint: disable=g-import-not-at-top,unused-import
+  data = _token_data()
+  apply, params = _nnx_lm() if api == "nnx" else _linen_lm(data)
+  loss_fn = _lm_loss(apply)
+  auto_loss = immgrad.immediate(loss_fn)
+  assert _stepped_immediately(auto_loss, params, data[0]) == set(
+      _paths(params))
+  got = oracles.immediate_steps(auto_loss, OPTIMIZERS["adam"](), params,
+                                data, mode=mode)
+  expected = oracles.immediate_steps(immgrad.flax.immediate(loss_fn),
+                                     OPTIMIZERS["adam"](), params, data,
+                                     mode=mode)
+  oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
