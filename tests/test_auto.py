@@ -16,6 +16,8 @@ below for each updated-mode comparison), and a layer silently left
 ordinary is caught by asserting which leaves were stepped immediately.
 """
 
+import re
+
 import jax
 from jax import lax
 import jax.numpy as jnp
@@ -381,3 +383,127 @@ def test_flax_model_equals_the_adapter(api, mode):
                                      OPTIMIZERS["adam"](), params, data,
                                      mode=mode)
   oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
+
+
+# What immgrad.immediate refuses, reports, or leaves alone.
+
+W = {"w": jnp.linspace(-1, 1, 9).reshape(3, 3), "b": jnp.zeros(3)}
+X = jnp.linspace(-1, 1, 12).reshape(4, 3)
+
+
+def _in_cond(p, x):
+  h = lax.cond(x.sum() > 0, lambda h: h @ p["w"], lambda h: h, x)
+  return jnp.sum(h + p["b"])
+
+
+def _in_while(p, x):
+  h = lax.while_loop(lambda h: h.sum() < 100, lambda h: h @ p["w"] + 1, x)
+  return jnp.sum(h + p["b"])
+
+
+def _line_of(fun, text):
+  import inspect  # pylint: disable=g-import-not-at-top
+  lines, first = inspect.getsourcelines(fun)
+  return first + next(i for i, l in enumerate(lines) if text in l)
+
+
+@pytest.mark.parametrize("fun,prim", [(_in_cond, "cond"),
+                                      (_in_while, "while")])
+def test_parameters_in_branches_and_loops_are_refused(fun, prim):
+  where = rf"test_auto.py:{_line_of(fun, 'lax.')}:\d+ \({fun.__name__}\)"
+  message = rf"parameter \[.w.\] meets activations inside `{prim}` \(.*{where}"
+  with pytest.raises(ValueError, match=message):
+    immgrad.layers(fun, W, X)
+  tx = immgrad.shim(optax.sgd(0.1))
+  with pytest.raises(ValueError, match=message):
+    immgrad.value_and_grad(immgrad.immediate(fun), tx)(W, tx.init(W), X)
+
+
+def _stacked(p, x):
+  return lax.scan(lambda h, w: (h @ w, None), x, p["stack"])[0].sum()
+
+
+def _rematted(p, x):
+  return jax.checkpoint(lambda h: h @ p["w"])(x).sum()
+
+
+@pytest.mark.parametrize("fun,prim", [(_stacked, "scan"),
+                                      (_rematted, "remat2|checkpoint")])
+def test_scan_over_parameters_and_remat_are_not_supported_yet(fun, prim):
+  params = {"w": W["w"], "stack": jnp.stack([W["w"]] * 2)}
+  with pytest.raises(ValueError, match=rf"inside `({prim})`.*not support yet"):
+    immgrad.layers(fun, params, X)
+
+
+def test_weights_a_scan_reuses_every_step_are_ordinary():
+  """An RNN cell's weights, closed over by lax.scan: an ordinary gradient."""
+
+  def loss_fn(p, xs, y):
+    h = lax.scan(lambda h, x: (jnp.tanh(h @ p["rnn"] + x), None),
+                 jnp.zeros(3), xs)[0]
+    return _mse(h @ p["out"], y)
+
+  params = {"rnn": W["w"] / 2, "out": W["w"]}
+  table = immgrad.layers(loss_fn, params, X, jnp.ones(3))
+  assert table["['rnn']"].why.startswith("reused by every iteration of `scan`")
+  assert table["['out']"].layer == "dot_general -> float32[3]"
+  data = [(X + i, jnp.ones(3)) for i in range(STEPS)]
+  auto_loss = immgrad.immediate(loss_fn)
+  assert _stepped_immediately(auto_loss, params, data[0]) == {"['out']"}
+  expected = oracles.plain_steps(loss_fn, optax.adam(1e-2), params, data)
+  got = oracles.immediate_steps(auto_loss, optax.adam(1e-2), params, data,
+                                mode="current")
+  oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
+
+
+def test_layers_table():
+  def model(p, tokens):
+    h = p["embed"][tokens]
+    h = h * (p["norm"]["scale"] + 1)  # Parameter-only preprocessing.
+    h = jax.jit(lambda h, w: h @ (w["A"] @ w["B"]))(h, p["lowrank"])
+    return h @ p["embed"].T + p["bias"], jnp.sum(p["bias"] ** 2)
+
+  params = {"embed": jnp.ones((10, 4)), "norm": {"scale": jnp.zeros(4)},
+            "lowrank": {"A": jnp.ones((4, 2)), "B": jnp.ones((2, 4))},
+            "bias": jnp.zeros(10), "step": jnp.zeros((), jnp.int32)}
+  table = immgrad.layers(model, params, jnp.zeros((2, 3), jnp.int32))
+  line = _line_of(model, "scale")
+  at = lambda line: rf"{re.escape(__file__)}:{line}:\d+ \({name}\)"
+  name = re.escape("test_layers_table.<locals>.model")
+  row = table["['norm']['scale']"]
+  assert (row.path, row.shape, row.layer, row.why) == (
+      "['norm']['scale']", "float32[4]", "mul -> float32[2,3,4]", None)
+  assert re.fullmatch(at(line), row.source)
+  for path in ("['lowrank']['A']", "['lowrank']['B']"):
+    assert table[path].layer == "dot_general -> float32[2,3,4]"
+    assert f"test_auto.py:{line + 1}:" in table[path].source
+  assert re.fullmatch(
+      rf"read by 2 layers: `gather` \({at(line - 1)}\), "
+      rf"`dot_general` \({at(line + 2)}\)", table["['embed']"].why)
+  assert table["['bias']"].why.startswith("returned by the function")
+  assert table["['step']"].why == "not floating point: no gradient"
+  assert [r.path for r in table] == _paths(params)
+  printed = str(table).splitlines()
+  assert printed[0].split() == ["parameter", "shape", "layer", "source", "/",
+                                "why", "ordinary"]
+  assert printed[5].split()[:3] == ["['norm']['scale']", "float32[4]", "mul"]
+  assert immgrad.layers(immgrad.immediate(lambda x, p: model(p, x),
+                                          argnums=1),
+                        params, jnp.zeros((2, 3), jnp.int32)) == table
+
+
+def test_outside_a_step_it_is_fun():
+  fun = lambda p, x: jnp.sum(jnp.sin(x @ p["w"] + p["b"]))
+  wrapped = immgrad.immediate(fun)
+  assert wrapped(W, X) == fun(W, X)
+  np.testing.assert_array_equal(jax.jit(jax.grad(wrapped))(W, X)["w"],
+                                jax.jit(jax.grad(fun))(W, X)["w"])
+
+
+def test_a_computed_tree_is_not_parameters():
+  fun = immgrad.immediate(lambda p, x: jnp.sum(x @ p["w"] + p["b"]))
+  tx = immgrad.shim(optax.sgd(0.1))
+  loss_fn = lambda p, x: fun({"w": 2 * p["w"], "b": p["b"]}, x)
+  with pytest.raises(ValueError, match=r"params\['w'\] \(argument 0\) is not "
+                                       r"a parameter leaf"):
+    immgrad.value_and_grad(loss_fn, tx)(W, tx.init(W), X)

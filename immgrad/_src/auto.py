@@ -40,14 +40,18 @@ from immgrad._src.layer import immediate_layer
 _INLINED = frozenset({"jit", "pjit", "closed_call", "core_call"})
 _ONE_LAYER = frozenset({"custom_jvp_call", "custom_vjp_call",
                         "custom_vjp_call_jaxpr"})
-_REFUSED = frozenset({"cond", "while"})
+
+_REFUSED = {
+    "cond": "compute both branches and pick with `jnp.where`, or let the "
+            "`cond` choose parameters only, not activations",
+    "while": "unroll the loop in Python, or keep the parameters out of it",
+}
 
 _BRANCH = (
     "immgrad.immediate: parameter {path} meets activations inside `{prim}` "
-    "({where}). A branch or a loop may run its layer zero or many times a "
-    "step, and each run would step the weights. Compute the layer outside "
-    "the `{prim}` (e.g. both branches, then `jnp.where`), or select "
-    "parameters with it rather than activations.")
+    "({where}). A branch or a loop may run a layer zero or many times a "
+    "step, and each run would step the weights. To make it immediate, "
+    "{fix}.")
 
 _UNSUPPORTED = (
     "immgrad.immediate: parameter {path} meets activations inside `{prim}` "
@@ -226,7 +230,8 @@ def _check_mixed(node: _Node, ins: list, paths: list) -> None:
   name = node.eqn.primitive.name
   first = paths[min(frozenset().union(*[t for t in ins if t is not _ACT]))]
   if name in _REFUSED:
-    raise ValueError(_BRANCH.format(path=first, prim=name, where=node.where))
+    raise ValueError(_BRANCH.format(path=first, prim=name, where=node.where,
+                                    fix=_REFUSED[name]))
   if name == "scan":
     consts = node.eqn.params["num_consts"]
     if any(t is not _ACT and t for t in ins[consts:]):
