@@ -446,16 +446,57 @@ def _stacked(p, x):
   return lax.scan(lambda h, w: (h @ w, None), x, p["stack"])[0].sum()
 
 
-def _rematted(p, x):
-  return jax.checkpoint(lambda h: h @ p["w"])(x).sum()
+def test_scan_over_parameters_is_not_supported_yet():
+  params = {"stack": jnp.stack([W["w"]] * 2)}
+  with pytest.raises(ValueError, match=r"parameter \['stack'\] meets "
+                     r"activations inside `scan`.*does not support yet"):
+    immgrad.layers(_stacked, params, X)
 
 
-@pytest.mark.parametrize("fun,prim", [(_stacked, "scan"),
-                                      (_rematted, "remat2|checkpoint")])
-def test_scan_over_parameters_and_remat_are_not_supported_yet(fun, prim):
-  params = {"w": W["w"], "stack": jnp.stack([W["w"]] * 2)}
-  with pytest.raises(ValueError, match=rf"inside `({prim})`.*not support yet"):
-    immgrad.layers(fun, params, X)
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
+def test_checkpointed_layers(opt):
+  """jax.checkpoint per layer, and around the whole model (by closure)."""
+  chain, params = oracles.mlp([6, 16, 16, 3], jax.random.PRNGKey(0))
+  data = oracles.batches(jax.random.PRNGKey(1), STEPS, (8, 6), (8, 3))
+  per_layer = chain._replace(
+      layers=tuple(jax.checkpoint(f) for f in chain.layers)).loss_fn()
+
+  def whole(params, x, y):
+    return _mse(jax.checkpoint(lambda x: chain.apply(params, x))(x), y)
+
+  for loss_fn in (per_layer, whole):
+    auto_loss = immgrad.immediate(loss_fn)
+    assert _stepped_immediately(auto_loss, params, data[0]) == set(
+        _paths(params))
+    expected = oracles.plain_steps(loss_fn, OPTIMIZERS[opt](), params, data)
+    got = oracles.immediate_steps(auto_loss, OPTIMIZERS[opt](), params, data,
+                                  mode="current")
+    oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
+    expected = oracles.sequential_steps(chain, OPTIMIZERS[opt](), params,
+                                        data)
+    got = oracles.immediate_steps(auto_loss, OPTIMIZERS[opt](), params, data,
+                                  mode="updated")
+    oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
+
+
+def test_weights_computed_outside_a_checkpoint_are_ordinary():
+  def loss_fn(p, x, y):
+    w = p["w"].astype(jnp.bfloat16).astype(jnp.float32)
+    return _mse(jax.checkpoint(lambda x, w: x @ w + p["b"])(x, w), y)
+
+  table = immgrad.layers(loss_fn, W, X, X)
+  assert table["['b']"].layer == "add -> float32[4,3]"
+  assert re.fullmatch(r"its layer `dot_general` \(.*\) is inside "
+                      r"`(remat2|checkpoint)` \(.*test_auto.py:\d+:\d+ "
+                      r"\(.*loss_fn\)\), which gets its weights computed, "
+                      r"not the parameters themselves", table["['w']"].why)
+  data = [(X + i, X) for i in range(STEPS)]
+  auto_loss = immgrad.immediate(loss_fn)
+  assert _stepped_immediately(auto_loss, W, data[0]) == {"['b']"}
+  expected = oracles.plain_steps(loss_fn, optax.adam(1e-2), W, data)
+  got = oracles.immediate_steps(auto_loss, optax.adam(1e-2), W, data,
+                                mode="current")
+  oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
 
 
 def test_weights_a_scan_reuses_every_step_are_ordinary():

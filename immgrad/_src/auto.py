@@ -2,7 +2,8 @@
 
 ``immediate(fun)`` needs no adapter and no decorated layer. Inside
 ``immgrad.value_and_grad`` it traces ``fun`` to a jaxpr (nested ``jit``
-calls inlined) and follows, equation by equation, which values derive from
+calls inlined; a ``jax.checkpoint`` holding layers runs as
+``immgrad.checkpoint``) and follows, equation by equation, which values derive from
 the parameters alone (a cast, a transpose, a broadcast, ``A @ B``, weight
 standardisation: *preprocessing*) and which from the other arguments
 (*activations*). An equation that combines the two (``dot_general``,
@@ -17,12 +18,15 @@ A leaf that reaches two layers (tied embeddings), a loop that reuses it
 every iteration (a ``lax.scan`` closing over it), the function's output or
 a parameter-only term combined with the loss (an L2 penalty, which is then
 a layer of its own) keeps an ordinary gradient, as does every leaf its
-layer reads with it. :func:`layers` reports each leaf's fate. Parameters
-combined with activations inside ``cond``, ``switch`` or ``while_loop`` are
-refused; inside ``scan`` (stacked layers), ``jax.checkpoint`` and other
-transformations that keep an inner program, not supported yet.
+layer reads with it, and a layer inside a ``jax.checkpoint`` that is handed
+weights computed outside it. :func:`layers` reports each leaf's fate.
+Parameters combined with activations inside ``cond``, ``switch`` or
+``while_loop`` are refused; as scanned inputs of ``scan`` (stacked layers)
+or inside other transformations that keep an inner program, not supported
+yet.
 """
 
+import collections
 import dataclasses
 import functools
 from typing import Any, Callable, Optional
@@ -35,9 +39,11 @@ import numpy as np
 
 from immgrad._src import compat
 from immgrad._src import context
+from immgrad._src import remat as remat_lib
 from immgrad._src.layer import immediate_layer
 
 _INLINED = frozenset({"jit", "pjit", "closed_call", "core_call"})
+_REMAT = frozenset({"remat2", "checkpoint"})
 _ONE_LAYER = frozenset({"custom_jvp_call", "custom_vjp_call",
                         "custom_vjp_call_jaxpr"})
 
@@ -55,9 +61,9 @@ _BRANCH = (
 
 _UNSUPPORTED = (
     "immgrad.immediate: parameter {path} meets activations inside `{prim}` "
-    "({where}), which immgrad.immediate does not support yet. Use "
-    "immgrad.immediate_layer with immgrad.scan or immgrad.checkpoint, or a "
-    "library adapter (immgrad.haiku, immgrad.flax, immgrad.equinox).")
+    "({where}), which immgrad.immediate does not support yet. For stacked "
+    "layers use immgrad.immediate_layer with immgrad.scan, or a library "
+    "adapter (immgrad.haiku, immgrad.flax, immgrad.equinox).")
 
 _NOT_A_PARAMETER = (
     "immgrad.immediate: params{path} (argument {argnums}) is not a parameter "
@@ -66,15 +72,40 @@ _NOT_A_PARAMETER = (
 
 
 @dataclasses.dataclass(eq=False)
+class _Region:
+  """A ``jax.checkpoint`` call, inlined: its equations are nodes[start:end]."""
+  eqn: Any
+  ins: list
+  outs: list
+  start: int
+  end: int
+  parent: Optional["_Region"]
+
+  @property
+  def where(self) -> str:
+    return source_info_util.summarize(self.eqn.source_info)
+
+
+@dataclasses.dataclass(eq=False)
 class _Node:
   """One equation, with inputs and outputs renamed to program-wide ints."""
   eqn: Any
   ins: list  # An int (a value of the program) or a Literal.
   outs: list
+  region: Optional[_Region] = None  # The innermost checkpoint around it.
 
   @property
   def where(self) -> str:
     return source_info_util.summarize(self.eqn.source_info)
+
+
+def _regions(region: Optional[_Region]) -> list:
+  """``region`` and the regions around it, innermost first."""
+  chain = []
+  while region is not None:
+    chain.append(region)
+    region = region.parent
+  return chain
 
 
 @dataclasses.dataclass
@@ -85,10 +116,14 @@ class _Program:
   consts: dict  # number -> value (the jaxpr's constants).
   outs: list  # Numbers (or Literals) of the outputs.
   out_tree: Any
+  avals: dict  # number -> abstract value, for the equations' outputs.
 
 
 def _trace(fun, leaves, treedef) -> _Program:
   """Traces ``fun(*treedef.unflatten(leaves))``, inlining nested calls.
+
+  A ``jax.checkpoint`` is inlined too, as a region that the evaluation
+  runs under ``immgrad.checkpoint`` (or as it was, if it holds no layer).
 
   Non-array leaves (flags, None, Python numbers) are static, as under jit.
   """
@@ -102,12 +137,12 @@ def _trace(fun, leaves, treedef) -> _Program:
 
   closed, shape = jax.make_jaxpr(flat, return_shape=True)(
       *[leaves[i] for i in dynamic])
-  nodes, consts, counter = [], {}, iter(range(1 << 62))
+  nodes, consts, avals, counter = [], {}, {}, iter(range(1 << 62))
 
   def read(env, v):
     return v if isinstance(v, jex_core.Literal) else env[v]
 
-  def inline(jaxpr, const_values, args):
+  def inline(jaxpr, const_values, args, region):
     env = {}
     for v, value in zip(jaxpr.constvars, const_values):
       env[v] = next(counter)
@@ -115,24 +150,30 @@ def _trace(fun, leaves, treedef) -> _Program:
     env.update(zip(jaxpr.invars, args))
     for eqn in jaxpr.eqns:
       ins = [read(env, v) for v in eqn.invars]
-      if eqn.primitive.name in _INLINED:
+      name = eqn.primitive.name
+      if name in _INLINED or name in _REMAT:
         inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-        if isinstance(inner, jex_core.ClosedJaxpr):
-          outs = inline(inner.jaxpr, inner.consts, ins)
-        else:
-          outs = inline(inner, (), ins)
+        if not isinstance(inner, jex_core.ClosedJaxpr):
+          inner = jex_core.ClosedJaxpr(inner, ())
+        child = region
+        if name in _REMAT:
+          child = _Region(eqn, ins, [], len(nodes), 0, region)
+        outs = inline(inner.jaxpr, inner.consts, ins, child)
+        if name in _REMAT:
+          child.outs, child.end = outs, len(nodes)
         env.update(zip(eqn.outvars, outs))
         continue
       outs = [next(counter) for _ in eqn.outvars]
       env.update(zip(eqn.outvars, outs))
-      nodes.append(_Node(eqn, ins, outs))
+      avals.update((n, v.aval) for n, v in zip(outs, eqn.outvars))
+      nodes.append(_Node(eqn, ins, outs, region))
     return [read(env, v) for v in jaxpr.outvars]
 
   inputs = [next(counter) for _ in dynamic]
-  outs = inline(closed.jaxpr, closed.consts, inputs)
+  outs = inline(closed.jaxpr, closed.consts, inputs, None)
   position = {i: n for i, n in zip(dynamic, inputs)}
   return _Program(nodes, [position.get(i) for i in range(len(leaves))],
-                  consts, outs, jax.tree.structure(shape))
+                  consts, outs, jax.tree.structure(shape), avals)
 
 
 def _is_array(x) -> bool:
@@ -151,6 +192,7 @@ class _Plan:
   taint: dict  # value number -> frozenset of leaf indices, or None (act).
   layers: list  # Every _Node that combines parameters and activations.
   immediate: dict  # leaf index -> its immediate layer _Node.
+  preprocess: dict  # id(layer) -> (raw value numbers, parameter-only nodes).
   ordinary: dict  # leaf index -> why it keeps an ordinary gradient.
   sinks: dict  # leaf index -> list of (node or None, why).
 
@@ -194,24 +236,71 @@ def _plan(program: _Program, params: dict, paths: list) -> _Plan:
   for v in program.outs:
     for leaf in of(v) or ():
       sinks[leaf].append((None, "returned by the function"))
-  immediate, ordinary = {}, {}
+  immediate, ordinary, preprocess = {}, {}, {}
+  producer = {n: node for node in program.nodes for n in node.outs}
+  raw_of = {leaf: n for n, leaf in params.items()}
   for node in layers:
     reads = frozenset().union(
         *[of(v) for v in node.ins if of(v) is not _ACT])
     shared = [leaf for leaf in reads if sinks[leaf] != [(node, None)]]
+    raw = sorted(raw_of[leaf] for leaf in reads)
+    pre = _preprocess(node, taint, producer)
+    outside = _outside(node, raw, pre)
     for leaf in reads:
-      if not shared:
+      if not shared and not outside:
         immediate[leaf] = node
+        preprocess[id(node)] = raw, pre
       elif leaf in shared:
         ordinary[leaf] = _why(sinks[leaf])
-      else:
+      elif shared:
         ordinary[leaf] = (f"its layer `{node.eqn.primitive.name}` "
                           f"({node.where}) also reads {paths[shared[0]]}, "
                           f"which is ordinary")
+      else:
+        ordinary[leaf] = (
+            f"its layer `{node.eqn.primitive.name}` ({node.where}) is inside "
+            f"`{outside.eqn.primitive.name}` ({outside.where}), which gets "
+            f"its weights computed, not the parameters themselves")
   for leaf, uses in sinks.items():
     if leaf not in immediate and leaf not in ordinary:
       ordinary[leaf] = _why(uses) if uses else "unused"
-  return _Plan(params, taint, layers, immediate, ordinary, sinks)
+  return _Plan(params, taint, layers, immediate, preprocess, ordinary,
+               sinks)
+
+
+def _preprocess(node: _Node, taint: dict, producer: dict) -> list:
+  """The parameter-only equations ``node``'s non-activation inputs need."""
+  pre, seen = [], set()
+
+  def need(v):
+    if isinstance(v, jex_core.Literal) or v in seen or v not in producer:
+      return
+    seen.add(v)
+    for u in producer[v].ins:
+      need(u)
+    if producer[v] not in pre:
+      pre.append(producer[v])
+
+  for v in node.ins:
+    if isinstance(v, jex_core.Literal) or taint[v] is not _ACT:
+      need(v)
+  return pre
+
+
+def _outside(node: _Node, raw: list, pre: list) -> Optional[_Region]:
+  """The checkpoint region around ``node`` its weights do not enter raw.
+
+  Inside ``immgrad.checkpoint`` a layer finds its parameters among the
+  region's arguments only: each raw leaf must be one, and the weights
+  computed from them, inside.
+  """
+  for region in _regions(node.region):
+    if any(n not in region.ins for n in raw):
+      return region
+  for p in pre:
+    if p.region is not node.region:
+      return node.region or p.region
+  return None
 
 
 def _why(uses) -> str:
@@ -256,68 +345,84 @@ def _run(program: _Program, plan: _Plan, values: list) -> list:
   """Evaluates ``program``; each immediate layer through immediate_layer."""
   env = dict(program.consts)
   env.update((n, v) for n, v in zip(program.inputs, values) if n is not None)
-  producer = {n: node for node in program.nodes for n in node.outs}
-  done = set(plan.immediate)
+  _eval(program, plan, env, 0, len(program.nodes), None)
+  return [_read(env, v) for v in program.outs]
 
-  def read(v):
-    return v.val if isinstance(v, jex_core.Literal) else env[v]
 
-  def of(v):
-    return frozenset() if isinstance(v, jex_core.Literal) else plan.taint[v]
+def _read(env: dict, v):
+  return v.val if isinstance(v, jex_core.Literal) else env[v]
 
+
+def _eval(program, plan, env: dict, start: int, end: int, region) -> None:
+  """Evaluates ``program.nodes[start:end]``, all inside ``region``, in env."""
   layers = {id(node) for node in plan.immediate.values()}
-  for node in program.nodes:
-    ins = [of(v) for v in node.ins]
+  done = set(plan.immediate)
+  i = start
+  while i < end:
+    node = program.nodes[i]
+    if node.region is not region:  # The first node of a region inside.
+      inner = _regions(node.region)
+      inner = inner[inner.index(region) - 1] if region else inner[-1]
+      _checkpointed(program, plan, env, inner)
+      i = inner.end
+      continue
+    ins = [frozenset() if isinstance(v, jex_core.Literal) else plan.taint[v]
+           for v in node.ins]
     reads = frozenset().union(*[t for t in ins if t is not _ACT])
     if id(node) in layers:
-      env.update(zip(node.outs, _layer(node, plan, producer, read)))
+      env.update(zip(node.outs, _layer(node, plan, env)))
     elif all(t is not _ACT for t in ins) and reads and reads <= done:
-      continue  # Preprocessing that only an immediate layer needs.
+      pass  # Preprocessing that only an immediate layer needs.
     else:
-      env.update(zip(node.outs, _bind(node, [read(v) for v in node.ins])))
-  return [read(v) for v in program.outs]
+      env.update(zip(node.outs, _bind(node, [_read(env, v)
+                                               for v in node.ins])))
+    i += 1
 
 
-def _layer(node: _Node, plan: _Plan, producer: dict, read) -> list:
+def _checkpointed(program, plan, env: dict, region: _Region) -> None:
+  """Evaluates a checkpoint region: as traced, or by immgrad.checkpoint."""
+  refs = list(dict.fromkeys(v for v in region.ins
+                            if not isinstance(v, jex_core.Literal)))
+  has_layer = any(region in _regions(node.region)
+                  for node in plan.immediate.values())
+  if has_layer:
+    def body(*values):
+      inner = collections.ChainMap(dict(zip(refs, values)), env)
+      _eval(program, plan, inner, region.start, region.end, region)
+      return [_read(inner, v) if isinstance(v, jex_core.Literal) or v in inner
+              else jnp.zeros(program.avals[v].shape, program.avals[v].dtype)
+              for v in region.outs]
+
+    params = region.eqn.params
+    outs = remat_lib.checkpoint(body, prevent_cse=params["prevent_cse"],
+                                policy=params["policy"])(
+                                    *[env[n] for n in refs])
+  else:
+    outs = _bind(_Node(region.eqn, region.ins, region.outs),
+                 [_read(env, v) for v in region.ins])
+  env.update((n, v) for n, v in zip(region.outs, outs)
+             if not isinstance(n, jex_core.Literal) and n not in refs)
+
+
+def _layer(node: _Node, plan: _Plan, env: dict) -> list:
   """``node`` as an immediate layer of its parameters' raw leaves."""
   acts = [i for i, v in enumerate(node.ins)
           if not isinstance(v, jex_core.Literal) and plan.taint[v] is _ACT]
-  raw = sorted(n for n, leaf in plan.params.items()
-               if plan.immediate.get(leaf) is node)
-  preprocess, seen = [], set()
-
-  def need(v):  # The parameter-only equations node's weights come from.
-    if isinstance(v, jex_core.Literal) or v in seen or v not in producer:
-      return
-    seen.add(v)
-    for u in producer[v].ins:
-      need(u)
-    if producer[v] not in preprocess:
-      preprocess.append(producer[v])
-
-  for i, v in enumerate(node.ins):
-    if i not in acts:
-      need(v)
+  raw, preprocess = plan.preprocess[id(node)]
 
   def fun(x, weights):
-    local = dict(zip(raw, weights))
-
-    def get(v):
-      if isinstance(v, jex_core.Literal):
-        return v.val
-      return local[v] if v in local else read(v)
-
+    local = collections.ChainMap(dict(zip(raw, weights)), env)
     for pre in preprocess:
-      local.update(zip(pre.outs, _bind(pre, [get(u) for u in pre.ins])))
-    ins = [get(v) for v in node.ins]
+      local.update(zip(pre.outs, _bind(pre, [_read(local, u)
+                                             for u in pre.ins])))
+    ins = [_read(local, v) for v in node.ins]
     for i, value in zip(acts, x):
       ins[i] = value
     return _bind(node, ins)
 
   name = f"{node.eqn.primitive.name} ({node.where})"
   return immediate_layer(fun, name=name)(
-      [read(node.ins[i]) for i in acts], [read(n) for n in raw])
-
+      [env[node.ins[i]] for i in acts], [env[n] for n in raw])
 
 def _flatten(args: tuple, kwargs: dict, argnums: int, fun_name: str):
   """The leaves of ``(params, other args, kwargs)``, and how to call back."""
