@@ -327,7 +327,7 @@ def test_haiku_model_equals_the_adapter(opt, norm, mode):
 
 
 def _nnx_lm():
-  from flax import nnx  # pylint: disable=g-import-not-at-top
+  nnx = pytest.importorskip("flax.nnx")
 
   class LM(nnx.Module):
 
@@ -350,7 +350,7 @@ def _nnx_lm():
 
 
 def _linen_lm(data):
-  from flax import linen as nn  # pylint: disable=g-import-not-at-top
+  nn = pytest.importorskip("flax.linen")
 
   class LM(nn.Module):
 
@@ -370,6 +370,8 @@ def _linen_lm(data):
 @pytest.mark.parametrize("mode", ["current", "updated"])
 @pytest.mark.parametrize("api", ["nnx", "linen"])
 def test_flax_model_equals_the_adapter(api, mode):
+  pytest.importorskip(
+      "flax", reason="the flax extra (flax 0.12.8 needs jax >= 0.10)")
   import immgrad.flax  # pylint: disable=g-import-not-at-top,unused-import
   data = _token_data()
   apply, params = _nnx_lm() if api == "nnx" else _linen_lm(data)
@@ -389,7 +391,8 @@ def test_flax_model_equals_the_adapter(api, mode):
 @pytest.mark.parametrize("mode", ["current", "updated"])
 def test_equinox_model_under_vmap_equals_the_adapter(mode):
   """A per-example Equinox MLP, vmapped inside the function."""
-  import equinox as eqx  # pylint: disable=g-import-not-at-top
+  eqx = pytest.importorskip(
+      "equinox", reason="the equinox extra (equinox 0.13.8 refuses jax 0.7)")
   import immgrad.equinox  # pylint: disable=g-import-not-at-top,unused-import
   params, static = eqx.partition(
       eqx.nn.MLP(4, 2, 8, 2, key=jax.random.PRNGKey(0)), eqx.is_array)

@@ -326,10 +326,16 @@ def _check_mixed(node: _Node, ins: list, paths: list) -> None:
     if any(t is not _ACT and t for t in ins[consts:]):
       raise ValueError(_UNSUPPORTED.format(path=first, prim=name,
                                            where=node.where))
-  elif name not in _ONE_LAYER and list(
-      jex_core.jaxprs_in_params(node.eqn.params)):
+  elif name not in _ONE_LAYER and _has_program(node.eqn.params):
     raise ValueError(_UNSUPPORTED.format(path=first, prim=name,
                                          where=node.where))
+
+
+def _has_program(params: dict) -> bool:
+  """Whether an equation's params hold an inner program (a jaxpr)."""
+  programs = (jex_core.Jaxpr, jex_core.ClosedJaxpr)
+  return any(isinstance(v, programs) or (isinstance(v, (tuple, list)) and any(
+      isinstance(e, programs) for e in v)) for v in params.values())
 
 
 def _bind(node: _Node, values: list) -> list:
