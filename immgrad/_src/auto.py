@@ -275,11 +275,11 @@ def _preprocess(node: _Node, taint: dict, producer: dict) -> list:
   def need(v):
     if isinstance(v, jex_core.Literal) or v in seen or v not in producer:
       return
-    seen.add(v)
-    for u in producer[v].ins:
+    node = producer[v]
+    seen.update(node.outs)
+    for u in node.ins:
       need(u)
-    if producer[v] not in pre:
-      pre.append(producer[v])
+    pre.append(node)
 
   for v in node.ins:
     if isinstance(v, jex_core.Literal) or taint[v] is not _ACT:
