@@ -3,8 +3,8 @@
 ``immediate(fun)`` needs no adapter and no decorated layer. Inside
 ``immgrad.value_and_grad`` it traces ``fun`` to a jaxpr (nested ``jit``
 calls inlined; a ``jax.checkpoint`` holding layers runs as
-``immgrad.checkpoint``) and follows, equation by equation, which values derive from
-the parameters alone (a cast, a transpose, a broadcast, ``A @ B``, weight
+``immgrad.checkpoint``) and follows, equation by equation, which values
+derive from the parameters alone (a cast, a transpose, a broadcast, ``A @ B``, weight
 standardisation: *preprocessing*) and which from the other arguments
 (*activations*). An equation that combines the two (``dot_general``,
 ``conv_general_dilated``, the ``mul`` of a norm's scale, the ``gather`` of
@@ -190,11 +190,9 @@ class _Plan:
   """Which equations are layers, and which parameter leaves they step."""
   params: dict  # value number -> parameter leaf index (float leaves only).
   taint: dict  # value number -> frozenset of leaf indices, or None (act).
-  layers: list  # Every _Node that combines parameters and activations.
   immediate: dict  # leaf index -> its immediate layer _Node.
   preprocess: dict  # id(layer) -> (raw value numbers, parameter-only nodes).
   ordinary: dict  # leaf index -> why it keeps an ordinary gradient.
-  sinks: dict  # leaf index -> list of (node or None, why).
 
 
 _ACT = None  # The taint of a value that depends on an activation.
@@ -264,8 +262,7 @@ def _plan(program: _Program, params: dict, paths: list) -> _Plan:
   for leaf, uses in sinks.items():
     if leaf not in immediate and leaf not in ordinary:
       ordinary[leaf] = _why(uses) if uses else "unused"
-  return _Plan(params, taint, layers, immediate, preprocess, ordinary,
-               sinks)
+  return _Plan(params, taint, immediate, preprocess, ordinary)
 
 
 def _preprocess(node: _Node, taint: dict, producer: dict) -> list:
