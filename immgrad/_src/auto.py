@@ -3,7 +3,8 @@
 ``immediate(fun)`` needs no adapter and no decorated layer. Inside
 ``immgrad.value_and_grad`` it traces ``fun`` to a jaxpr (nested ``jit``
 calls inlined; a ``jax.checkpoint`` holding layers runs as
-``immgrad.checkpoint``) and follows, equation by equation, which values
+``immgrad.checkpoint``, a ``lax.scan`` over stacked layers as
+``immgrad.scan``) and follows, equation by equation, which values
 derive from the parameters alone (a cast, a transpose, a broadcast, ``A @ B``, weight
 standardisation: *preprocessing*) and which from the other arguments
 (*activations*). An equation that combines the two (``dot_general``,
@@ -21,9 +22,8 @@ a layer of its own) keeps an ordinary gradient, as does every leaf its
 layer reads with it, and a layer inside a ``jax.checkpoint`` that is handed
 weights computed outside it. :func:`layers` reports each leaf's fate.
 Parameters combined with activations inside ``cond``, ``switch`` or
-``while_loop`` are refused; as scanned inputs of ``scan`` (stacked layers)
-or inside other transformations that keep an inner program, not supported
-yet.
+``while_loop`` are refused; in a ``scan``'s carry or inside other
+transformations that keep an inner program, not supported yet.
 """
 
 import collections
@@ -40,6 +40,7 @@ import numpy as np
 from immgrad._src import compat
 from immgrad._src import context
 from immgrad._src import remat as remat_lib
+from immgrad._src import scan as scan_lib
 from immgrad._src.layer import immediate_layer
 
 _INLINED = frozenset({"jit", "pjit", "closed_call", "core_call"})
@@ -61,9 +62,10 @@ _BRANCH = (
 
 _UNSUPPORTED = (
     "immgrad.immediate: parameter {path} meets activations inside `{prim}` "
-    "({where}), which immgrad.immediate does not support yet. For stacked "
-    "layers use immgrad.immediate_layer with immgrad.scan, or a library "
-    "adapter (immgrad.haiku, immgrad.flax, immgrad.equinox).")
+    "({where}), which immgrad.immediate does not support yet. Keep "
+    "parameters out of a scan's carry (scan over them as xs), or decorate "
+    "the layer with immgrad.immediate_layer, or use a library adapter "
+    "(immgrad.haiku, immgrad.flax, immgrad.equinox).")
 
 _NOT_A_PARAMETER = (
     "immgrad.immediate: params{path} (argument {argnums}) is not a parameter "
@@ -117,6 +119,7 @@ class _Program:
   outs: list  # Numbers (or Literals) of the outputs.
   out_tree: Any
   avals: dict  # number -> abstract value, for the equations' outputs.
+  counter: Any  # Numbers the values of inner programs (scan bodies).
 
 
 def _trace(fun, leaves, treedef) -> _Program:
@@ -137,7 +140,17 @@ def _trace(fun, leaves, treedef) -> _Program:
 
   closed, shape = jax.make_jaxpr(flat, return_shape=True)(
       *[leaves[i] for i in dynamic])
-  nodes, consts, avals, counter = [], {}, {}, iter(range(1 << 62))
+  counter = iter(range(1 << 62))
+  program = _build(closed, counter)
+  position = {i: n for i, n in zip(dynamic, program.inputs)}
+  program.inputs = [position.get(i) for i in range(len(leaves))]
+  program.out_tree = jax.tree.structure(shape)
+  return program
+
+
+def _build(closed, counter) -> _Program:
+  """``closed`` (a ClosedJaxpr) as a _Program; ``counter`` numbers values."""
+  nodes, consts, avals = [], {}, {}
 
   def read(env, v):
     return v if isinstance(v, jex_core.Literal) else env[v]
@@ -169,11 +182,9 @@ def _trace(fun, leaves, treedef) -> _Program:
       nodes.append(_Node(eqn, ins, outs, region))
     return [read(env, v) for v in jaxpr.outvars]
 
-  inputs = [next(counter) for _ in dynamic]
+  inputs = [next(counter) for _ in closed.jaxpr.invars]
   outs = inline(closed.jaxpr, closed.consts, inputs, None)
-  position = {i: n for i, n in zip(dynamic, inputs)}
-  return _Program(nodes, [position.get(i) for i in range(len(leaves))],
-                  consts, outs, jax.tree.structure(shape), avals)
+  return _Program(nodes, inputs, consts, outs, None, avals, counter)
 
 
 def _is_array(x) -> bool:
@@ -193,6 +204,7 @@ class _Plan:
   immediate: dict  # leaf index -> its immediate layer _Node.
   preprocess: dict  # id(layer) -> (raw value numbers, parameter-only nodes).
   ordinary: dict  # leaf index -> why it keeps an ordinary gradient.
+  scans: dict  # id(scan node) -> (its body _Program, the body's _Plan).
 
 
 _ACT = None  # The taint of a value that depends on an activation.
@@ -210,7 +222,7 @@ def _plan(program: _Program, params: dict, paths: list) -> _Plan:
     if isinstance(value, jax.core.Tracer):  # Closed over from the caller.
       taint[n] = _ACT
   sinks = {leaf: [] for leaf in params.values()}
-  layers = []
+  layers, scans, stacked = [], {}, {}
 
   def of(v):
     return frozenset() if isinstance(v, jex_core.Literal) else taint[v]
@@ -222,9 +234,10 @@ def _plan(program: _Program, params: dict, paths: list) -> _Plan:
     if act and reads:
       _check_mixed(node, ins, paths)
       if node.eqn.primitive.name == "scan":
-        for leaf in reads:
-          sinks[leaf].append((None, f"reused by every iteration of `scan` "
-                                    f"({node.where})"))
+        scans[id(node)], stacked[id(node)] = _plan_scan(
+            node, ins, params, paths, program.counter, sinks)
+        if stacked[id(node)]:
+          layers.append(node)
       else:
         layers.append(node)
         for leaf in reads:
@@ -238,7 +251,7 @@ def _plan(program: _Program, params: dict, paths: list) -> _Plan:
   producer = {n: node for node in program.nodes for n in node.outs}
   raw_of = {leaf: n for n, leaf in params.items()}
   for node in layers:
-    reads = frozenset().union(
+    reads = stacked.get(id(node)) or frozenset().union(
         *[of(v) for v in node.ins if of(v) is not _ACT])
     shared = [leaf for leaf in reads if sinks[leaf] != [(node, None)]]
     raw = sorted(raw_of[leaf] for leaf in reads)
@@ -262,7 +275,44 @@ def _plan(program: _Program, params: dict, paths: list) -> _Plan:
   for leaf, uses in sinks.items():
     if leaf not in immediate and leaf not in ordinary:
       ordinary[leaf] = _why(uses) if uses else "unused"
-  return _Plan(params, taint, immediate, preprocess, ordinary)
+  return _Plan(params, taint, immediate, preprocess, ordinary, scans)
+
+
+def _plan_scan(node: _Node, ins: list, params: dict, paths: list, counter,
+               sinks: dict):
+  """Plans a ``scan`` that parameters enter: its body, for stacked ones.
+
+  A parameter closed over by the body (a scan's constant) is reused by
+  every iteration: ordinary. A stacked parameter scanned over as it is
+  (an ``xs`` of the scan) is planned inside the body, where each iteration
+  sees one layer's slice; those the body makes immediate run through
+  ``immgrad.scan``. Returns the body and its plan, and those leaves.
+  """
+  consts = node.eqn.params["num_consts"]
+  body = _build(node.eqn.params["jaxpr"], counter)
+  slices = {}
+  for i, (v, t) in enumerate(zip(node.ins, ins)):
+    if t is _ACT or not t:
+      continue
+    if i < consts:
+      why = f"reused by every iteration of `scan` ({node.where})"
+    elif v in params:
+      slices[body.inputs[i]] = params[v]
+      continue
+    else:
+      why = (f"scanned over by `scan` ({node.where}) after being computed: "
+             f"pass the stacked parameter itself as xs")
+    for leaf in t:
+      sinks[leaf].append((None, why))
+  plan = _plan(body, slices, paths)
+  stepped = frozenset(plan.immediate)
+  for leaf in slices.values():
+    if leaf in stepped:
+      sinks[leaf].append((node, None))
+    else:
+      sinks[leaf].append((None, f"inside `scan` ({node.where}), its slice "
+                                f"is {plan.ordinary[leaf]}"))
+  return (body, plan), stepped
 
 
 def _preprocess(node: _Node, taint: dict, producer: dict) -> list:
@@ -320,7 +370,8 @@ def _check_mixed(node: _Node, ins: list, paths: list) -> None:
                                     fix=_REFUSED[name]))
   if name == "scan":
     consts = node.eqn.params["num_consts"]
-    if any(t is not _ACT and t for t in ins[consts:]):
+    carry = ins[consts:consts + node.eqn.params["num_carry"]]
+    if any(t is not _ACT and t for t in carry):
       raise ValueError(_UNSUPPORTED.format(path=first, prim=name,
                                            where=node.where))
   elif name not in _ONE_LAYER and _has_program(node.eqn.params):
@@ -372,7 +423,9 @@ def _eval(program, plan, env: dict, start: int, end: int, region) -> None:
     ins = [frozenset() if isinstance(v, jex_core.Literal) else plan.taint[v]
            for v in node.ins]
     reads = frozenset().union(*[t for t in ins if t is not _ACT])
-    if id(node) in layers:
+    if id(node) in layers and id(node) in plan.scans:
+      env.update(zip(node.outs, _scanned(node, plan, env)))
+    elif id(node) in layers:
       env.update(zip(node.outs, _layer(node, plan, env)))
     elif all(t is not _ACT for t in ins) and reads and reads <= done:
       pass  # Preprocessing that only an immediate layer needs.
@@ -405,6 +458,28 @@ def _checkpointed(program, plan, env: dict, region: _Region) -> None:
                  [_read(env, v) for v in region.ins])
   env.update((n, v) for n, v in zip(region.outs, outs)
              if not isinstance(n, jex_core.Literal) and n not in refs)
+
+
+def _scanned(node: _Node, plan: _Plan, env: dict) -> list:
+  """A ``scan`` over stacked parameters, by immgrad.scan and the body's plan."""
+  body, inner = plan.scans[id(node)]
+  params = node.eqn.params
+  values = [_read(env, v) for v in node.ins]
+  consts = params["num_consts"]
+  first_x = consts + params["num_carry"]
+
+  def step(carry, x):
+    local = dict(body.consts)
+    local.update(zip(body.inputs, values[:consts] + list(carry) + list(x)))
+    _eval(body, inner, local, 0, len(body.nodes), None)
+    outs = [_read(local, v) for v in body.outs]
+    return outs[:params["num_carry"]], outs[params["num_carry"]:]
+
+  carry, ys = scan_lib.scan(step, values[consts:first_x], values[first_x:],
+                            length=params["length"],
+                            reverse=params["reverse"],
+                            unroll=params["unroll"])
+  return list(carry) + list(ys)
 
 
 def _layer(node: _Node, plan: _Plan, env: dict) -> list:
@@ -582,10 +657,14 @@ def layers(fun: Callable[..., Any], params: Any, *args, **kwargs) -> Layers:
   for i, path in enumerate(paths):
     shape = jax.core.ShapedArray(jnp.shape(leaves[i]),
                                  jnp.result_type(leaves[i])).str_short()
-    node = plan.immediate.get(i)
+    node, inner, scanned = plan.immediate.get(i), plan, ""
+    while node is not None and id(node) in inner.scans:  # Per layer.
+      inner = inner.scans[id(node)][1]
+      node, scanned = inner.immediate[i], scanned + " in `scan`"
     if node is not None:
       out = node.eqn.outvars[0].aval.str_short()
-      rows.append(Row(path, shape, f"{node.eqn.primitive.name} -> {out}",
+      rows.append(Row(path, shape,
+                      f"{node.eqn.primitive.name} -> {out}{scanned}",
                       node.where, None))
     elif i in plan.ordinary:
       rows.append(Row(path, shape, None, None, plan.ordinary[i]))
