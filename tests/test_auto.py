@@ -644,3 +644,34 @@ def test_a_computed_tree_is_not_parameters():
   with pytest.raises(ValueError, match=r"params\['w'\] \(argument 0\) is not "
                                        r"a parameter leaf"):
     immgrad.value_and_grad(loss_fn, tx)(W, tx.init(W), X)
+
+
+def test_linen_scan_over_layers_current_equals_plain():
+  nn = pytest.importorskip("flax.linen")
+
+  class Block(nn.Module):
+
+    @nn.compact
+    def __call__(self, h, _):
+      return jnp.tanh(nn.Dense(8)(h)), None
+
+  class Model(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      h, _ = nn.scan(Block, variable_axes={"params": 0},
+                     split_rngs={"params": True}, length=3)()(
+                         nn.Dense(8)(x), None)
+      return nn.Dense(2)(h)
+
+  model = Model()
+  data = oracles.batches(jax.random.PRNGKey(1), STEPS, (4, 5), (4, 2))
+  params = model.init(jax.random.PRNGKey(0), data[0][0])["params"]
+  loss_fn = lambda p, x, y: _mse(model.apply({"params": p}, x), y)
+  auto_loss = immgrad.immediate(loss_fn)
+  assert _stepped_immediately(auto_loss, params, data[0]) == set(
+      _paths(params))
+  expected = oracles.plain_steps(loss_fn, OPTIMIZERS["adam"](), params, data)
+  got = oracles.immediate_steps(auto_loss, OPTIMIZERS["adam"](), params, data,
+                                mode="current")
+  oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
