@@ -2,6 +2,9 @@
 
 from importlib import metadata as _metadata
 
+from immgrad._src.auto import Layers as Layers
+from immgrad._src.auto import immediate as immediate
+from immgrad._src.auto import layers as layers
 from immgrad._src.base import ImmediateGrad as ImmediateGrad
 from immgrad._src.base import ShimState as ShimState
 from immgrad._src.base import ShimTransformation as ShimTransformation
@@ -36,12 +39,15 @@ except _metadata.PackageNotFoundError:  # Imported from a source tree.
 
 __all__ = (
     "ImmediateGrad",
+    "Layers",
     "ShimState",
     "ShimTransformation",
     "Stepped",
     "checkpoint",
     "clip_by_layer_norm",
+    "immediate",
     "immediate_layer",
+    "layers",
     "restore_checkpoint",
     "save_checkpoint",
     "scan",

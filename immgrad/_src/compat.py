@@ -67,3 +67,13 @@ def dce_rules() -> dict:
   """
   from jax._src.interpreters import partial_eval  # pylint: disable=g-import-not-at-top
   return partial_eval.dce_rules
+
+
+def bind_params(primitive, params: dict) -> tuple:
+  """``(subfuns, params)`` to bind an equation's primitive again.
+
+  Newer releases (0.10) return the params alone from ``get_bind_params``;
+  older ones a pair with the subfunctions of call primitives.
+  """
+  out = primitive.get_bind_params(params)
+  return out if isinstance(out, tuple) else ((), out)

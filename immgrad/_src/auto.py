@@ -1,0 +1,674 @@
+"""``immediate`` and ``layers``: immediate layers found in the traced program.
+
+``immediate(fun)`` needs no adapter and no decorated layer. Inside
+``immgrad.value_and_grad`` it traces ``fun`` to a jaxpr (nested ``jit``
+calls inlined; a ``jax.checkpoint`` holding layers runs as
+``immgrad.checkpoint``, a ``lax.scan`` over stacked layers as
+``immgrad.scan``) and follows, equation by equation, which values
+derive from the parameters alone (a cast, a transpose, a broadcast, ``A @ B``, weight
+standardisation: *preprocessing*) and which from the other arguments
+(*activations*). An equation that combines the two (``dot_general``,
+``conv_general_dilated``, the ``mul`` of a norm's scale, the ``gather`` of
+an embedding, a ``custom_jvp``/``custom_vjp`` call) is a *layer*. A layer
+is immediate when every parameter leaf it reads reaches nothing but it:
+then it runs as ``immediate_layer(lambda x, raw: prim(x, preprocess(raw)))``
+on the very leaves the step handed in, so ``mode="updated"`` takes dX at the
+processed new weights. Every other equation runs as traced.
+
+A leaf that reaches two layers (tied embeddings), a loop that reuses it
+every iteration (a ``lax.scan`` closing over it), the function's output or
+a parameter-only term combined with the loss (an L2 penalty, which is then
+a layer of its own) keeps an ordinary gradient, as does every leaf its
+layer reads with it, and a layer inside a ``jax.checkpoint`` that is handed
+weights computed outside it. :func:`layers` reports each leaf's fate.
+Parameters combined with activations inside ``cond``, ``switch`` or
+``while_loop`` are refused; in a ``scan``'s carry or inside other
+transformations that keep an inner program, not supported yet.
+"""
+
+import collections
+import dataclasses
+import functools
+from typing import Any, Callable, Optional
+
+import jax
+from jax.extend import core as jex_core
+from jax.extend import source_info_util
+import jax.numpy as jnp
+import numpy as np
+
+from immgrad._src import compat
+from immgrad._src import context
+from immgrad._src import remat as remat_lib
+from immgrad._src import scan as scan_lib
+from immgrad._src.layer import immediate_layer
+
+_INLINED = frozenset({"jit", "pjit", "closed_call", "core_call"})
+_REMAT = frozenset({"remat2", "checkpoint"})
+_ONE_LAYER = frozenset({"custom_jvp_call", "custom_vjp_call",
+                        "custom_vjp_call_jaxpr"})
+
+_REFUSED = {
+    "cond": "compute both branches and pick with `jnp.where`, or let the "
+            "`cond` choose parameters only, not activations",
+    "while": "unroll the loop in Python, or keep the parameters out of it",
+}
+
+_BRANCH = (
+    "immgrad.immediate: parameter {path} meets activations inside `{prim}` "
+    "({where}). A branch or a loop may run a layer zero or many times a "
+    "step, and each run would step the weights. To make it immediate, "
+    "{fix}.")
+
+_UNSUPPORTED = (
+    "immgrad.immediate: parameter {path} meets activations inside `{prim}` "
+    "({where}), which immgrad.immediate does not support yet. Keep "
+    "parameters out of a scan's carry (scan over them as xs), or decorate "
+    "the layer with immgrad.immediate_layer, or use a library adapter "
+    "(immgrad.haiku, immgrad.flax, immgrad.equinox).")
+
+_NOT_A_PARAMETER = (
+    "immgrad.immediate: params{path} (argument {argnums}) is not a parameter "
+    "leaf given to immgrad.value_and_grad. Pass the params tree the step "
+    "hands the loss, unchanged; cast or transform it inside `fun`.")
+
+
+@dataclasses.dataclass(eq=False)
+class _Region:
+  """A ``jax.checkpoint`` call, inlined: its equations are nodes[start:end]."""
+  eqn: Any
+  ins: list
+  outs: list
+  start: int
+  end: int
+  parent: Optional["_Region"]
+
+  @property
+  def where(self) -> str:
+    return source_info_util.summarize(self.eqn.source_info)
+
+
+@dataclasses.dataclass(eq=False)
+class _Node:
+  """One equation, with inputs and outputs renamed to program-wide ints."""
+  eqn: Any
+  ins: list  # An int (a value of the program) or a Literal.
+  outs: list
+  region: Optional[_Region] = None  # The innermost checkpoint around it.
+
+  @property
+  def where(self) -> str:
+    return source_info_util.summarize(self.eqn.source_info)
+
+
+def _regions(region: Optional[_Region]) -> list:
+  """``region`` and the regions around it, innermost first."""
+  chain = []
+  while region is not None:
+    chain.append(region)
+    region = region.parent
+  return chain
+
+
+@dataclasses.dataclass
+class _Program:
+  """``fun`` as a flat list of equations over numbered values."""
+  nodes: list
+  inputs: list  # The numbers of the traced arguments, in order.
+  consts: dict  # number -> value (the jaxpr's constants).
+  outs: list  # Numbers (or Literals) of the outputs.
+  out_tree: Any
+  avals: dict  # number -> abstract value, for the equations' outputs.
+  counter: Any  # Numbers the values of inner programs (scan bodies).
+
+
+def _trace(fun, leaves, treedef) -> _Program:
+  """Traces ``fun(*treedef.unflatten(leaves))``, inlining nested calls.
+
+  A ``jax.checkpoint`` is inlined too, as a region that the evaluation
+  runs under ``immgrad.checkpoint`` (or as it was, if it holds no layer).
+
+  Non-array leaves (flags, None, Python numbers) are static, as under jit.
+  """
+  dynamic = [i for i, l in enumerate(leaves) if _is_array(l)]
+
+  def flat(*values):
+    full = list(leaves)
+    for i, v in zip(dynamic, values):
+      full[i] = v
+    return fun(*treedef.unflatten(full))
+
+  closed, shape = jax.make_jaxpr(flat, return_shape=True)(
+      *[leaves[i] for i in dynamic])
+  counter = iter(range(1 << 62))
+  program = _build(closed, counter)
+  position = {i: n for i, n in zip(dynamic, program.inputs)}
+  program.inputs = [position.get(i) for i in range(len(leaves))]
+  program.out_tree = jax.tree.structure(shape)
+  return program
+
+
+def _build(closed, counter) -> _Program:
+  """``closed`` (a ClosedJaxpr) as a _Program; ``counter`` numbers values."""
+  nodes, consts, avals = [], {}, {}
+
+  def read(env, v):
+    return v if isinstance(v, jex_core.Literal) else env[v]
+
+  def inline(jaxpr, const_values, args, region):
+    env = {}
+    for v, value in zip(jaxpr.constvars, const_values):
+      env[v] = next(counter)
+      consts[env[v]] = value
+    env.update(zip(jaxpr.invars, args))
+    for eqn in jaxpr.eqns:
+      ins = [read(env, v) for v in eqn.invars]
+      name = eqn.primitive.name
+      if name in _INLINED or name in _REMAT:
+        inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+        if not isinstance(inner, jex_core.ClosedJaxpr):
+          inner = jex_core.ClosedJaxpr(inner, ())
+        child = region
+        if name in _REMAT:
+          child = _Region(eqn, ins, [], len(nodes), 0, region)
+        outs = inline(inner.jaxpr, inner.consts, ins, child)
+        if name in _REMAT:
+          child.outs, child.end = outs, len(nodes)
+        env.update(zip(eqn.outvars, outs))
+        continue
+      outs = [next(counter) for _ in eqn.outvars]
+      env.update(zip(eqn.outvars, outs))
+      avals.update((n, v.aval) for n, v in zip(outs, eqn.outvars))
+      nodes.append(_Node(eqn, ins, outs, region))
+    return [read(env, v) for v in jaxpr.outvars]
+
+  inputs = [next(counter) for _ in closed.jaxpr.invars]
+  outs = inline(closed.jaxpr, closed.consts, inputs, None)
+  return _Program(nodes, inputs, consts, outs, None, avals, counter)
+
+
+def _is_array(x) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, np.generic,
+                        jax.ShapeDtypeStruct))
+
+
+def _is_float(x) -> bool:
+  return _is_array(x) and jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+@dataclasses.dataclass
+class _Plan:
+  """Which equations are layers, and which parameter leaves they step."""
+  params: dict  # value number -> parameter leaf index (float leaves only).
+  taint: dict  # value number -> frozenset of leaf indices, or None (act).
+  immediate: dict  # leaf index -> its immediate layer _Node.
+  preprocess: dict  # id(layer) -> (raw value numbers, parameter-only nodes).
+  ordinary: dict  # leaf index -> why it keeps an ordinary gradient.
+  scans: dict  # id(scan node) -> (its body _Program, the body's _Plan).
+
+
+_ACT = None  # The taint of a value that depends on an activation.
+
+
+def _plan(program: _Program, params: dict, paths: list) -> _Plan:
+  """Follows parameters through ``program``; decides the immediate layers."""
+  taint = {n: frozenset() for n in program.consts}
+  for n in program.inputs:
+    if n is not None:
+      taint[n] = _ACT
+  for n, leaf in params.items():
+    taint[n] = frozenset({leaf})
+  for n, value in program.consts.items():
+    if isinstance(value, jax.core.Tracer):  # Closed over from the caller.
+      taint[n] = _ACT
+  sinks = {leaf: [] for leaf in params.values()}
+  layers, scans, stacked = [], {}, {}
+
+  def of(v):
+    return frozenset() if isinstance(v, jex_core.Literal) else taint[v]
+
+  for node in program.nodes:
+    ins = [of(v) for v in node.ins]
+    act = any(t is _ACT for t in ins)
+    reads = frozenset().union(*[t for t in ins if t is not _ACT])
+    if act and reads:
+      _check_mixed(node, ins, paths)
+      if node.eqn.primitive.name == "scan":
+        scans[id(node)], stacked[id(node)] = _plan_scan(
+            node, ins, params, paths, program.counter, sinks)
+        if stacked[id(node)]:
+          layers.append(node)
+      else:
+        layers.append(node)
+        for leaf in reads:
+          sinks[leaf].append((node, None))
+    for n in node.outs:
+      taint[n] = _ACT if act else reads
+  for v in program.outs:
+    for leaf in of(v) or ():
+      sinks[leaf].append((None, "returned by the function"))
+  immediate, ordinary, preprocess = {}, {}, {}
+  producer = {n: node for node in program.nodes for n in node.outs}
+  raw_of = {leaf: n for n, leaf in params.items()}
+  for node in layers:
+    reads = stacked.get(id(node)) or frozenset().union(
+        *[of(v) for v in node.ins if of(v) is not _ACT])
+    shared = [leaf for leaf in reads if sinks[leaf] != [(node, None)]]
+    raw = sorted(raw_of[leaf] for leaf in reads)
+    pre = _preprocess(node, taint, producer)
+    outside = _outside(node, raw, pre)
+    for leaf in reads:
+      if not shared and not outside:
+        immediate[leaf] = node
+        preprocess[id(node)] = raw, pre
+      elif leaf in shared:
+        ordinary[leaf] = _why(sinks[leaf])
+      elif shared:
+        ordinary[leaf] = (f"its layer `{node.eqn.primitive.name}` "
+                          f"({node.where}) also reads {paths[shared[0]]}, "
+                          f"which is ordinary")
+      else:
+        ordinary[leaf] = (
+            f"its layer `{node.eqn.primitive.name}` ({node.where}) is inside "
+            f"`{outside.eqn.primitive.name}` ({outside.where}), which gets "
+            f"its weights computed, not the parameters themselves")
+  for leaf, uses in sinks.items():
+    if leaf not in immediate and leaf not in ordinary:
+      ordinary[leaf] = _why(uses) if uses else "unused"
+  return _Plan(params, taint, immediate, preprocess, ordinary, scans)
+
+
+def _plan_scan(node: _Node, ins: list, params: dict, paths: list, counter,
+               sinks: dict):
+  """Plans a ``scan`` that parameters enter: its body, for stacked ones.
+
+  A parameter closed over by the body (a scan's constant) is reused by
+  every iteration: ordinary. A stacked parameter scanned over as it is
+  (an ``xs`` of the scan) is planned inside the body, where each iteration
+  sees one layer's slice; those the body makes immediate run through
+  ``immgrad.scan``. Returns the body and its plan, and those leaves.
+  """
+  consts = node.eqn.params["num_consts"]
+  body = _build(node.eqn.params["jaxpr"], counter)
+  slices = {}
+  for i, (v, t) in enumerate(zip(node.ins, ins)):
+    if t is _ACT or not t:
+      continue
+    if i < consts:
+      why = f"reused by every iteration of `scan` ({node.where})"
+    elif v in params:
+      slices[body.inputs[i]] = params[v]
+      continue
+    else:
+      why = (f"scanned over by `scan` ({node.where}) after being computed: "
+             f"pass the stacked parameter itself as xs")
+    for leaf in t:
+      sinks[leaf].append((None, why))
+  plan = _plan(body, slices, paths)
+  stepped = frozenset(plan.immediate)
+  for leaf in slices.values():
+    if leaf in stepped:
+      sinks[leaf].append((node, None))
+    else:
+      sinks[leaf].append((None, f"inside `scan` ({node.where}), its slice "
+                                f"is {plan.ordinary[leaf]}"))
+  return (body, plan), stepped
+
+
+def _preprocess(node: _Node, taint: dict, producer: dict) -> list:
+  """The parameter-only equations ``node``'s non-activation inputs need."""
+  pre, seen = [], set()
+
+  def need(v):
+    if isinstance(v, jex_core.Literal) or v in seen or v not in producer:
+      return
+    node = producer[v]
+    seen.update(node.outs)
+    for u in node.ins:
+      need(u)
+    pre.append(node)
+
+  for v in node.ins:
+    if isinstance(v, jex_core.Literal) or taint[v] is not _ACT:
+      need(v)
+  return pre
+
+
+def _outside(node: _Node, raw: list, pre: list) -> Optional[_Region]:
+  """The checkpoint region around ``node`` its weights do not enter raw.
+
+  Inside ``immgrad.checkpoint`` a layer finds its parameters among the
+  region's arguments only: each raw leaf must be one, and the weights
+  computed from them, inside.
+  """
+  for region in _regions(node.region):
+    if any(n not in region.ins for n in raw):
+      return region
+  for p in pre:
+    if p.region is not node.region:
+      return node.region or p.region
+  return None
+
+
+def _why(uses) -> str:
+  """Why a leaf with these uses keeps an ordinary gradient."""
+  layers = [node for node, _ in uses if node is not None]
+  others = [why for node, why in uses if node is None]
+  if others:
+    return others[0] + (f", and read by {len(layers)} layer(s)"
+                        if layers else "")
+  named = ", ".join(f"`{n.eqn.primitive.name}` ({n.where})" for n in layers)
+  return f"read by {len(set(layers))} layers: {named}"
+
+
+def _check_mixed(node: _Node, ins: list, paths: list) -> None:
+  """Refuses parameters meeting activations where no layer can step once."""
+  name = node.eqn.primitive.name
+  first = paths[min(frozenset().union(*[t for t in ins if t is not _ACT]))]
+  if name in _REFUSED:
+    raise ValueError(_BRANCH.format(path=first, prim=name, where=node.where,
+                                    fix=_REFUSED[name]))
+  if name == "scan":
+    consts = node.eqn.params["num_consts"]
+    carry = ins[consts:consts + node.eqn.params["num_carry"]]
+    if any(t is not _ACT and t for t in carry):
+      raise ValueError(_UNSUPPORTED.format(path=first, prim=name,
+                                           where=node.where))
+  elif name not in _ONE_LAYER and _has_program(node.eqn.params):
+    raise ValueError(_UNSUPPORTED.format(path=first, prim=name,
+                                         where=node.where))
+
+
+def _has_program(params: dict) -> bool:
+  """Whether an equation's params hold an inner program (a jaxpr)."""
+  programs = (jex_core.Jaxpr, jex_core.ClosedJaxpr)
+  return any(isinstance(v, programs) or (isinstance(v, (tuple, list)) and any(
+      isinstance(e, programs) for e in v)) for v in params.values())
+
+
+def _bind(node: _Node, values: list) -> list:
+  eqn = node.eqn
+  subfuns, params = compat.bind_params(eqn.primitive, eqn.params)
+  with source_info_util.user_context(eqn.source_info.traceback), \
+      eqn.ctx.manager:
+    out = eqn.primitive.bind(*subfuns, *values, **params)
+  return list(out) if node.eqn.primitive.multiple_results else [out]
+
+
+def _run(program: _Program, plan: _Plan, values: list) -> list:
+  """Evaluates ``program``; each immediate layer through immediate_layer."""
+  env = dict(program.consts)
+  env.update((n, v) for n, v in zip(program.inputs, values) if n is not None)
+  _eval(program, plan, env, 0, len(program.nodes), None)
+  return [_read(env, v) for v in program.outs]
+
+
+def _read(env: dict, v):
+  return v.val if isinstance(v, jex_core.Literal) else env[v]
+
+
+def _eval(program, plan, env: dict, start: int, end: int, region) -> None:
+  """Evaluates ``program.nodes[start:end]``, all inside ``region``, in env."""
+  layers = {id(node) for node in plan.immediate.values()}
+  done = set(plan.immediate)
+  i = start
+  while i < end:
+    node = program.nodes[i]
+    if node.region is not region:  # The first node of a region inside.
+      inner = _regions(node.region)
+      inner = inner[inner.index(region) - 1] if region else inner[-1]
+      _checkpointed(program, plan, env, inner)
+      i = inner.end
+      continue
+    ins = [frozenset() if isinstance(v, jex_core.Literal) else plan.taint[v]
+           for v in node.ins]
+    reads = frozenset().union(*[t for t in ins if t is not _ACT])
+    if id(node) in layers and id(node) in plan.scans:
+      env.update(zip(node.outs, _scanned(node, plan, env)))
+    elif id(node) in layers:
+      env.update(zip(node.outs, _layer(node, plan, env)))
+    elif all(t is not _ACT for t in ins) and reads and reads <= done:
+      pass  # Preprocessing that only an immediate layer needs.
+    else:
+      env.update(zip(node.outs, _bind(node, [_read(env, v)
+                                               for v in node.ins])))
+    i += 1
+
+
+def _checkpointed(program, plan, env: dict, region: _Region) -> None:
+  """Evaluates a checkpoint region: as traced, or by immgrad.checkpoint."""
+  refs = list(dict.fromkeys(v for v in region.ins
+                            if not isinstance(v, jex_core.Literal)))
+  has_layer = any(region in _regions(node.region)
+                  for node in plan.immediate.values())
+  if has_layer:
+    def body(*values):
+      inner = collections.ChainMap(dict(zip(refs, values)), env)
+      _eval(program, plan, inner, region.start, region.end, region)
+      return [_read(inner, v) if isinstance(v, jex_core.Literal) or v in inner
+              else jnp.zeros(program.avals[v].shape, program.avals[v].dtype)
+              for v in region.outs]
+
+    params = region.eqn.params
+    outs = remat_lib.checkpoint(body, prevent_cse=params["prevent_cse"],
+                                policy=params["policy"])(
+                                    *[env[n] for n in refs])
+  else:
+    outs = _bind(_Node(region.eqn, region.ins, region.outs),
+                 [_read(env, v) for v in region.ins])
+  env.update((n, v) for n, v in zip(region.outs, outs)
+             if not isinstance(n, jex_core.Literal) and n not in refs)
+
+
+def _scanned(node: _Node, plan: _Plan, env: dict) -> list:
+  """A ``scan`` over stacked parameters, by immgrad.scan and the body's plan."""
+  body, inner = plan.scans[id(node)]
+  params = node.eqn.params
+  values = [_read(env, v) for v in node.ins]
+  consts = params["num_consts"]
+  first_x = consts + params["num_carry"]
+
+  def step(carry, x):
+    local = dict(body.consts)
+    local.update(zip(body.inputs, values[:consts] + list(carry) + list(x)))
+    _eval(body, inner, local, 0, len(body.nodes), None)
+    outs = [_read(local, v) for v in body.outs]
+    return outs[:params["num_carry"]], outs[params["num_carry"]:]
+
+  carry, ys = scan_lib.scan(step, values[consts:first_x], values[first_x:],
+                            length=params["length"],
+                            reverse=params["reverse"],
+                            unroll=params["unroll"])
+  return list(carry) + list(ys)
+
+
+def _layer(node: _Node, plan: _Plan, env: dict) -> list:
+  """``node`` as an immediate layer of its parameters' raw leaves."""
+  acts = [i for i, v in enumerate(node.ins)
+          if not isinstance(v, jex_core.Literal) and plan.taint[v] is _ACT]
+  raw, preprocess = plan.preprocess[id(node)]
+
+  def fun(x, weights):
+    local = collections.ChainMap(dict(zip(raw, weights)), env)
+    for pre in preprocess:
+      local.update(zip(pre.outs, _bind(pre, [_read(local, u)
+                                             for u in pre.ins])))
+    ins = [_read(local, v) for v in node.ins]
+    for i, value in zip(acts, x):
+      ins[i] = value
+    return _bind(node, ins)
+
+  name = f"{node.eqn.primitive.name} ({node.where})"
+  return immediate_layer(fun, name=name)(
+      [env[node.ins[i]] for i in acts], [env[n] for n in raw])
+
+def _flatten(args: tuple, kwargs: dict, argnums: int, fun_name: str):
+  """The leaves of ``(params, other args, kwargs)``, and how to call back."""
+  if not isinstance(argnums, int) or not 0 <= argnums < len(args):
+    raise ValueError(
+        f"immgrad.immediate: {fun_name} was called with {len(args)} "
+        f"positional argument(s), so argnums={argnums!r} names no parameter "
+        f"tree. Pass the params tree positionally at argnums.")
+  params, others = args[argnums], args[:argnums] + args[argnums + 1:]
+  keyed, _ = jax.tree_util.tree_flatten_with_path(params)
+  paths = [jax.tree_util.keystr(k) for k, _ in keyed]
+  leaves, treedef = jax.tree.flatten((params, others, kwargs))
+  return leaves, treedef, paths
+
+
+def _analyse(fun, argnums, args, kwargs):
+  """Traces ``fun`` and plans its layers: (program, plan, leaves, paths)."""
+  name = getattr(fun, "__qualname__", repr(fun))
+  leaves, treedef, paths = _flatten(args, kwargs, argnums, name)
+
+  def call(params, others, kwargs):
+    return fun(*others[:argnums], params, *others[argnums:], **kwargs)
+
+  program = _trace(call, leaves, treedef)
+  params = {program.inputs[i]: i for i in range(len(paths))
+            if _is_float(leaves[i])}
+  return program, _plan(program, params, paths), leaves, paths
+
+
+def immediate(fun: Callable[..., Any], *, argnums: int = 0
+              ) -> Callable[..., Any]:
+  """Makes every layer JAX traces in ``fun`` an immediate layer.
+
+  Args:
+    fun: any JAX function taking the parameter tree as positional argument
+      ``argnums``: a loss, a Haiku or Linen ``apply``, an NNX
+      ``merge``-and-call, raw JAX. Non-array arguments are static, as
+      under ``jax.jit``.
+    argnums: the position of the parameter tree among ``fun``'s arguments.
+
+  Returns:
+    ``fun``, except inside ``immgrad.value_and_grad``: there each equation
+    that combines parameter-only values with activations, and whose
+    parameter leaves reach nothing else, is an immediate layer stepped in
+    the backward pass; every other parameter keeps an ordinary gradient
+    (see :func:`layers` for which and why).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import immgrad
+    >>> def model(params, x):
+    ...   h = jax.nn.relu(x @ params["w1"] + params["b1"])
+    ...   return h @ params["w2"]
+    >>> params = {"w1": jnp.full((2, 3), 0.5), "b1": jnp.zeros(3),
+    ...           "w2": jnp.full((3, 1), 0.5)}
+    >>> net = immgrad.immediate(model)
+    >>> def loss_fn(params, x, y):
+    ...   return jnp.mean((net(params, x) - y) ** 2)
+    >>> tx = immgrad.shim(optax.sgd(0.1))
+    >>> step = jax.jit(immgrad.value_and_grad(loss_fn, tx))
+    >>> loss, grads = step(params, tx.init(params), jnp.ones((4, 2)),
+    ...                    jnp.zeros((4, 1)))
+    >>> sorted(k for k, g in grads.items()
+    ...        if isinstance(g, immgrad.ImmediateGrad))
+    ['b1', 'w1', 'w2']
+  """
+  if not callable(fun):
+    raise TypeError(f"immgrad.immediate expects a function, got {fun!r}.")
+
+  @functools.wraps(fun)
+  def wrapped(*args, **kwargs):
+    step = context.current()
+    if step is None:
+      return fun(*args, **kwargs)
+    program, plan, leaves, paths = _analyse(fun, argnums, args, kwargs)
+    for i in plan.params.values():
+      if step.find(leaves[i], "immgrad.immediate") is None:
+        raise ValueError(_NOT_A_PARAMETER.format(path=paths[i],
+                                                 argnums=argnums))
+    values = [leaves[i] for i, n in enumerate(program.inputs) if n is not None]
+    outs = _run(program, plan, values)
+    return jax.tree.unflatten(program.out_tree, outs)
+
+  wrapped.immediate_fun = (fun, argnums)
+  return wrapped
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  """One parameter leaf: the layer that steps it, or why none does."""
+  path: str
+  shape: str  # e.g. "f32[3,4]".
+  layer: Optional[str]  # e.g. "dot_general -> f32[8,4]", None if ordinary.
+  source: Optional[str]  # The user's line that made the layer.
+  why: Optional[str]  # Why the leaf keeps an ordinary gradient.
+
+
+class Layers(tuple):
+  """:func:`layers`'s answer: a tuple of :class:`Row`, printable as a table.
+
+  ``table[path]`` (a string such as ``"['w']"``) is that leaf's row.
+  """
+
+  def __getitem__(self, key):
+    if isinstance(key, str):
+      for row in self:
+        if row.path == key:
+          return row
+      raise KeyError(key)
+    return super().__getitem__(key)
+
+  def __str__(self) -> str:
+    cells = [(r.path, r.shape, r.layer or "ordinary",
+              r.source if r.layer else r.why) for r in self]
+    cells.insert(0, ("parameter", "shape", "layer", "source / why ordinary"))
+    widths = [max(len(c[i]) for c in cells) for i in range(3)]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(cell[:3], widths)) + "  " +
+        cell[3] for cell in cells)
+
+
+def layers(fun: Callable[..., Any], params: Any, *args, **kwargs) -> Layers:
+  """What :func:`immediate` makes of ``fun(params, *args, **kwargs)``.
+
+  Args:
+    fun: a function as for :func:`immediate`, or one it returned (then its
+      ``argnums`` places ``params`` among ``args``).
+    params: the parameter tree.
+    *args: ``fun``'s other arguments (arrays or ``jax.ShapeDtypeStruct``).
+    **kwargs: its keyword arguments.
+
+  Returns:
+    A :class:`Layers`: for each parameter leaf, the layer that steps it
+    (primitive, output shape, the user's source line), or why it keeps an
+    ordinary gradient. ``print`` it for a table.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import immgrad
+    >>> def model(params, tokens):
+    ...   h = params["embed"][tokens]  # Tied: also the output projection.
+    ...   return (h * params["scale"]) @ params["embed"].T
+    >>> params = {"embed": jnp.ones((10, 4)), "scale": jnp.ones(4)}
+    >>> table = immgrad.layers(model, params, jnp.zeros(3, jnp.int32))
+    >>> table["['scale']"].layer
+    'mul -> float32[3,4]'
+    >>> table["['embed']"].why.startswith("read by 2 layers")
+    True
+  """
+  fun, argnums = getattr(fun, "immediate_fun", (fun, 0))
+  args = args[:argnums] + (params,) + args[argnums:]
+  _, plan, leaves, paths = _analyse(fun, argnums, args, kwargs)
+  rows = []
+  for i, path in enumerate(paths):
+    shape = jax.core.ShapedArray(jnp.shape(leaves[i]),
+                                 jnp.result_type(leaves[i])).str_short()
+    node, inner, scanned = plan.immediate.get(i), plan, ""
+    while node is not None and id(node) in inner.scans:  # Per layer.
+      inner = inner.scans[id(node)][1]
+      node, scanned = inner.immediate[i], scanned + " in `scan`"
+    if node is not None:
+      out = node.eqn.outvars[0].aval.str_short()
+      rows.append(Row(path, shape,
+                      f"{node.eqn.primitive.name} -> {out}{scanned}",
+                      node.where, None))
+    elif i in plan.ordinary:
+      rows.append(Row(path, shape, None, None, plan.ordinary[i]))
+    else:
+      rows.append(Row(path, shape, None, None,
+                      "not floating point: no gradient"))
+  return Layers(rows)
