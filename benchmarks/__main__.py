@@ -52,12 +52,24 @@ SWEEP_METHODS = ("plain", "updated", "updated (atomic=False)", "naive")
 
 def settings(quick: bool) -> dict:
   if quick:
-    return dict(warmup=1, repeats=5, mlp=dict(depth=8, width=1024, batch=256),
-                transformer=dict(batch=4), deep=dict(blocks=12, batch=2),
-                depths=(2, 4, 8, 16), sweep=dict(width=256, batch=64))
-  return dict(warmup=2, repeats=20, mlp=dict(depth=8, width=1024, batch=256),
-              transformer=dict(batch=16), deep=dict(blocks=24, batch=8),
-              depths=(2, 4, 8, 16, 32), sweep=dict(width=1024, batch=256))
+    return dict(
+      warmup=1,
+      repeats=5,
+      mlp=dict(depth=8, width=1024, batch=256),
+      transformer=dict(batch=4),
+      deep=dict(blocks=12, batch=2),
+      depths=(2, 4, 8, 16),
+      sweep=dict(width=256, batch=64),
+    )
+  return dict(
+    warmup=2,
+    repeats=20,
+    mlp=dict(depth=8, width=1024, batch=256),
+    transformer=dict(batch=16),
+    deep=dict(blocks=24, batch=8),
+    depths=(2, 4, 8, 16, 32),
+    sweep=dict(width=1024, batch=256),
+  )
 
 
 def accelerator_models() -> list:
@@ -70,26 +82,44 @@ def accelerator_models() -> list:
   gpt = dict(blocks=12, d_model=768, heads=12, mlp_size=3072, seq=512)
   deep = dict(blocks=24, d_model=256, heads=4, mlp_size=1024, seq=256)
   return [
-      ("MLP 8x2048, batch 2048", lambda: models.mlp(8, 2048, 2048), None),
-      ("MLP 16x2048 under immgrad.scan, batch 1024",
-       lambda: models.scanned_mlp(16, 2048, 1024),
-       lambda: models.mlp(16, 2048, 1024)),
-      ("Transformer LM (12 blocks, d 768, seq 512, batch 16), unrolled",
-       lambda: models.transformer(batch=16, **gpt), None),
-      ("Transformer LM (12 blocks, d 768, seq 512, batch 16), hk.layer_stack",
-       lambda: models.transformer(batch=16, stacked=True, **gpt),
-       "Transformer LM (12 blocks, d 768, seq 512, batch 16), unrolled"),
-      (f"Transformer LM (24 blocks, d 256, seq 256, {16 * 24 + 6} leaves, "
-       "batch 16)", lambda: models.transformer(batch=16, **deep), None),
+    ("MLP 8x2048, batch 2048", lambda: models.mlp(8, 2048, 2048), None),
+    (
+      "MLP 16x2048 under immgrad.scan, batch 1024",
+      lambda: models.scanned_mlp(16, 2048, 1024),
+      lambda: models.mlp(16, 2048, 1024),
+    ),
+    (
+      "Transformer LM (12 blocks, d 768, seq 512, batch 16), unrolled",
+      lambda: models.transformer(batch=16, **gpt),
+      None,
+    ),
+    (
+      "Transformer LM (12 blocks, d 768, seq 512, batch 16), hk.layer_stack",
+      lambda: models.transformer(batch=16, stacked=True, **gpt),
+      "Transformer LM (12 blocks, d 768, seq 512, batch 16), unrolled",
+    ),
+    (
+      f"Transformer LM (24 blocks, d 256, seq 256, {16 * 24 + 6} leaves, "
+      "batch 16)",
+      lambda: models.transformer(batch=16, **deep),
+      None,
+    ),
   ]
 
 
 def main_accelerator(args) -> int:
   """The accelerator's models, each method measured alone."""
   path = os.path.join(args.out, args.name or "results_accelerator.json")
-  results = {"settings": {"warmup": 3, "repeats": 20, "optimizer": "adam(1e-3)",
-                          "sizes": "accelerator"},
-             "machine": _machine(), "models": {}}
+  results = {
+    "settings": {
+      "warmup": 3,
+      "repeats": 20,
+      "optimizer": "adam(1e-3)",
+      "sizes": "accelerator",
+    },
+    "machine": _machine(),
+    "models": {},
+  }
   if args.merge and os.path.exists(path):
     with open(path) as f:
       results["models"] = json.load(f)["models"]
@@ -98,26 +128,37 @@ def main_accelerator(args) -> int:
       continue
     print(f"measuring {name} ...", file=sys.stderr, flush=True)
     figures = measure.measure_alone(
-        make(), warmup=3, repeats=20,
-        hlo_dir=args.hlo_dir and os.path.join(args.hlo_dir, _slug(name)),
-        profile=bool(args.profile) and any(p in name for p in args.profile))
+      make(),
+      warmup=3,
+      repeats=20,
+      hlo_dir=args.hlo_dir and os.path.join(args.hlo_dir, _slug(name)),
+      profile=bool(args.profile) and any(p in name for p in args.profile),
+    )
     entry = {"figures": figures}
     if twin is not None:  # A loop's FLOPs, from the same model unrolled.
       if isinstance(twin, str):
-        unrolled = {m: f["flops"] for m, f in
-                    results["models"][twin]["figures"].items()}
+        unrolled = {
+          m: f["flops"] for m, f in results["models"][twin]["figures"].items()
+        }
       else:
         unrolled = measure.flops(twin())
       for method, flops in unrolled.items():
         figures[method]["flops_loop_body_once"] = figures[method]["flops"]
         figures[method]["flops"] = flops
-      entry["flops_from"] = (twin if isinstance(twin, str) else
-                             "the same model unrolled")
-    keys = ("flops", "bytes_accessed", "peak_bytes", "median_step_seconds",
-            "compile_seconds")
+      entry["flops_from"] = (
+        twin if isinstance(twin, str) else "the same model unrolled"
+      )
+    keys = (
+      "flops",
+      "bytes_accessed",
+      "peak_bytes",
+      "median_step_seconds",
+      "compile_seconds",
+    )
     entry["ratios"] = measure.ratios(figures, keys=keys)
     entry["ratios_to_apply_if_finite"] = measure.ratios(
-        figures, baseline="plain + apply_if_finite", keys=keys)
+      figures, baseline="plain + apply_if_finite", keys=keys
+    )
     results["models"][name] = entry
     with open(path, "w") as f:  # After each model: a later one may fail.
       json.dump(results, f, indent=1)
@@ -127,11 +168,14 @@ def main_accelerator(args) -> int:
 
 def accelerator_table(results) -> str:
   """docs/tpu.md's table: step times (wall, and the device's own where
-  traced), ratios to plain and to plain + apply_if_finite, HLO counts."""
-  rows = ["| model | method | step ms (wall) | / plain | / apply_if_finite "
-          "| device step ms | / plain | FLOPs | bytes accessed | peak memory "
-          "| compile | conditionals | copies | fusions |",
-          "| --- " * 14 + "|"]
+  traced), ratios to plain and to plain + apply_if_finite, HLO counts.
+  """
+  rows = [
+    "| model | method | step ms (wall) | / plain | / apply_if_finite "
+    "| device step ms | / plain | FLOPs | bytes accessed | peak memory "
+    "| compile | conditionals | copies | fusions |",
+    "| --- " * 14 + "|",
+  ]
   for name, entry in results["models"].items():
     label = name
     base = entry["figures"]["plain"].get("device_step_seconds")
@@ -140,15 +184,19 @@ def accelerator_table(results) -> str:
       peer = entry["ratios_to_apply_if_finite"][method]
       h = f["hlo"]
       device = f.get("device_step_seconds")
-      device = (f"{device * 1e3:.2f} | {device / base:.3f}" if device and base
-                else "- | -")
+      device = (
+        f"{device * 1e3:.2f} | {device / base:.3f}"
+        if device and base
+        else "- | -"
+      )
       rows.append(
-          f"| {label} | {method} | {f['median_step_seconds'] * 1e3:.2f} | "
-          f"{r['median_step_seconds']:.3f} | "
-          f"{peer['median_step_seconds']:.3f} | {device} | {r['flops']:.3f} | "
-          f"{r['bytes_accessed']:.3f} | {r['peak_bytes']:.3f} | "
-          f"{r['compile_seconds']:.2f} | {h['conditional']} | {h['copy']} | "
-          f"{h['fusion']} |")
+        f"| {label} | {method} | {f['median_step_seconds'] * 1e3:.2f} | "
+        f"{r['median_step_seconds']:.3f} | "
+        f"{peer['median_step_seconds']:.3f} | {device} | {r['flops']:.3f} | "
+        f"{r['bytes_accessed']:.3f} | {r['peak_bytes']:.3f} | "
+        f"{r['compile_seconds']:.2f} | {h['conditional']} | {h['copy']} | "
+        f"{h['fusion']} |"
+      )
       label = ""
   return "\n".join(rows)
 
@@ -158,36 +206,56 @@ def _slug(name: str) -> str:
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m benchmarks",
-                                   description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(
+    prog="python -m benchmarks", description=__doc__.splitlines()[0]
+  )
   parser.add_argument("--quick", action="store_true")
-  parser.add_argument("--out", default=HERE,
-                      help="folder for results.json and depth.png")
   parser.add_argument(
-      "--sizes", choices=("cpu", "accelerator"),
-      help="model sizes (default: by JAX's default backend)")
-  parser.add_argument("--name", help="results file name (accelerator sizes; "
-                      "default results_accelerator.json)")
-  parser.add_argument("--models", nargs="*",
-                      help="accelerator sizes: only models whose names "
-                      "contain one of these")
-  parser.add_argument("--merge", action="store_true",
-                      help="accelerator sizes: keep the results file's other "
-                      "models")
-  parser.add_argument("--profile", nargs="*",
-                      help="accelerator sizes: trace the models whose names "
-                      "contain one of these")
-  parser.add_argument("--hlo-dir", help="accelerator sizes: write each "
-                      "step's optimized HLO under this folder")
+    "--out", default=HERE, help="folder for results.json and depth.png"
+  )
+  parser.add_argument(
+    "--sizes",
+    choices=("cpu", "accelerator"),
+    help="model sizes (default: by JAX's default backend)",
+  )
+  parser.add_argument(
+    "--name",
+    help="results file name (accelerator sizes; "
+    "default results_accelerator.json)",
+  )
+  parser.add_argument(
+    "--models",
+    nargs="*",
+    help="accelerator sizes: only models whose names contain one of these",
+  )
+  parser.add_argument(
+    "--merge",
+    action="store_true",
+    help="accelerator sizes: keep the results file's other models",
+  )
+  parser.add_argument(
+    "--profile",
+    nargs="*",
+    help="accelerator sizes: trace the models whose names contain one of these",
+  )
+  parser.add_argument(
+    "--hlo-dir",
+    help="accelerator sizes: write each step's optimized HLO under this folder",
+  )
   args = parser.parse_args(argv)
-  sizes = args.sizes or ("cpu" if jax.default_backend() == "cpu"
-                         else "accelerator")
+  sizes = args.sizes or (
+    "cpu" if jax.default_backend() == "cpu" else "accelerator"
+  )
   if sizes == "accelerator":
     return main_accelerator(args)
   s = settings(args.quick)
   timing = dict(warmup=s["warmup"], repeats=s["repeats"])
-  results = {"settings": {**s, "optimizer": "adam(1e-3)", "quick": args.quick},
-             "machine": _machine(), "models": {}, "depth_sweep": {}}
+  results = {
+    "settings": {**s, "optimizer": "adam(1e-3)", "quick": args.quick},
+    "machine": _machine(),
+    "models": {},
+    "depth_sweep": {},
+  }
 
   def run(name, candidates, twin=None):
     print(f"measuring {name} ...", file=sys.stderr, flush=True)
@@ -200,28 +268,41 @@ def main(argv=None) -> int:
       entry["flops_from"] = twin_name
     entry["ratios"] = measure.ratios(figures)
     entry["ratios_to_apply_if_finite"] = measure.ratios(
-        figures, baseline="plain + apply_if_finite")
+      figures, baseline="plain + apply_if_finite"
+    )
     results["models"][name] = entry
 
   m, t, d = s["mlp"], s["transformer"], s["deep"]
   run(f"MLP {m['depth']}x{m['width']}, batch {m['batch']}", models.mlp(**m))
-  run(f"Transformer LM (4 blocks, d 256, batch {t['batch']})",
-      models.transformer(**t))
-  run(f"Transformer LM, blocks under hk.layer_stack (batch {t['batch']})",
-      models.transformer(stacked=True, **t),
-      twin=("the same, unrolled", models.transformer(**t)))
-  run("MLP 16x1024 under immgrad.scan, batch 64",
-      models.scanned_mlp(16, 1024, 64),
-      twin=("MLP 16x1024, batch 64", models.mlp(16, 1024, 64)))
+  run(
+    f"Transformer LM (4 blocks, d 256, batch {t['batch']})",
+    models.transformer(**t),
+  )
+  run(
+    f"Transformer LM, blocks under hk.layer_stack (batch {t['batch']})",
+    models.transformer(stacked=True, **t),
+    twin=("the same, unrolled", models.transformer(**t)),
+  )
+  run(
+    "MLP 16x1024 under immgrad.scan, batch 64",
+    models.scanned_mlp(16, 1024, 64),
+    twin=("MLP 16x1024, batch 64", models.mlp(16, 1024, 64)),
+  )
   leaves = 16 * d["blocks"] + 6  # And embedding, positions, final norm, head.
-  run(f"Transformer LM ({d['blocks']} blocks, d 128, {leaves} leaves, batch "
-      f"{d['batch']})", models.transformer(**DEEP, **d))
+  run(
+    f"Transformer LM ({d['blocks']} blocks, d 128, {leaves} leaves, batch "
+    f"{d['batch']})",
+    models.transformer(**DEEP, **d),
+  )
   for depth in s["depths"]:
     print(f"measuring depth {depth} ...", file=sys.stderr, flush=True)
     figures = measure.measure(
-        models.mlp(depth, methods=SWEEP_METHODS, **s["sweep"]), **timing)
-    results["depth_sweep"][depth] = {"figures": figures,
-                                     "ratios": measure.ratios(figures)}
+      models.mlp(depth, methods=SWEEP_METHODS, **s["sweep"]), **timing
+    )
+    results["depth_sweep"][depth] = {
+      "figures": figures,
+      "ratios": measure.ratios(figures),
+    }
 
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, "results.json"), "w") as f:
@@ -233,52 +314,75 @@ def main(argv=None) -> int:
 
 def table(results) -> str:
   """The table in docs/costs.md: ratios to plain training (and, for atomic
-  steps, to plain training with apply_if_finite), plain's absolute figures."""
-  rows = ["| model | method | FLOPs | peak memory | step time | compile time "
-          "| memory / apply_if_finite | step time / apply_if_finite |",
-          "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+  steps, to plain training with apply_if_finite), plain's absolute figures.
+  """
+  rows = [
+    "| model | method | FLOPs | peak memory | step time | compile time "
+    "| memory / apply_if_finite | step time / apply_if_finite |",
+    "| --- | --- | --- | --- | --- | --- | --- | --- |",
+  ]
   for name, entry in results["models"].items():
     plain = entry["figures"]["plain"]
-    label = (f"{name} (plain: {plain['median_step_seconds'] * 1e3:.1f} ms, "
-             f"{plain['peak_bytes'] / 2**20:.0f} MB)")
+    label = (
+      f"{name} (plain: {plain['median_step_seconds'] * 1e3:.1f} ms, "
+      f"{plain['peak_bytes'] / 2**20:.0f} MB)"
+    )
     for method, r in entry["ratios"].items():
       if method == "plain":
         continue
       peer = entry["ratios_to_apply_if_finite"][method]
       atomic = not method.startswith("plain") and "atomic=False" not in method
-      vs_peer = (f"{peer['peak_bytes']:.3f} | "
-                 f"{peer['median_step_seconds']:.3f}" if atomic else " | ")
+      vs_peer = (
+        f"{peer['peak_bytes']:.3f} | {peer['median_step_seconds']:.3f}"
+        if atomic
+        else " | "
+      )
       rows.append(
-          f"| {label} | {method} | {r['flops']:.3f} | {r['peak_bytes']:.3f} "
-          f"| {r['median_step_seconds']:.3f} | {r['compile_seconds']:.2f} | "
-          f"{vs_peer} |")
+        f"| {label} | {method} | {r['flops']:.3f} | {r['peak_bytes']:.3f} "
+        f"| {r['median_step_seconds']:.3f} | {r['compile_seconds']:.2f} | "
+        f"{vs_peer} |"
+      )
       label = ""
-  rows += ["", "Depth sweep (MLP, ratio to plain at the same depth):", "",
-           "| depth | method | FLOPs | step time | peak memory |",
-           "| --- | --- | --- | --- | --- |"]
+  rows += [
+    "",
+    "Depth sweep (MLP, ratio to plain at the same depth):",
+    "",
+    "| depth | method | FLOPs | step time | peak memory |",
+    "| --- | --- | --- | --- | --- |",
+  ]
   for depth, entry in results["depth_sweep"].items():
     for method, r in entry["ratios"].items():
       if method != "plain":
-        rows.append(f"| {depth} | {method} | {r['flops']:.3f} | "
-                    f"{r['median_step_seconds']:.3f} | "
-                    f"{r['peak_bytes']:.3f} |")
+        rows.append(
+          f"| {depth} | {method} | {r['flops']:.3f} | "
+          f"{r['median_step_seconds']:.3f} | "
+          f"{r['peak_bytes']:.3f} |"
+        )
   return "\n".join(rows) + "\n\nRatios are immgrad / plain, same run."
 
 
 def _plot(results, path):
   import matplotlib  # pylint: disable=g-import-not-at-top
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
   depths = sorted(results["depth_sweep"], key=int)
-  methods = [m for m in results["depth_sweep"][depths[0]]["ratios"]
-             if m != "plain"]
+  methods = [
+    m for m in results["depth_sweep"][depths[0]]["ratios"] if m != "plain"
+  ]
   fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-  for ax, key, label in ((axes[0], "median_step_seconds", "step time"),
-                         (axes[1], "flops", "FLOPs")):
+  for ax, key, label in (
+    (axes[0], "median_step_seconds", "step time"),
+    (axes[1], "flops", "FLOPs"),
+  ):
     for method in methods:
-      ax.plot([int(d) for d in depths],
-              [results["depth_sweep"][d]["ratios"][method][key]
-               for d in depths], marker="o", label=method)
+      ax.plot(
+        [int(d) for d in depths],
+        [results["depth_sweep"][d]["ratios"][method][key] for d in depths],
+        marker="o",
+        label=method,
+      )
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("MLP depth (layers)")
@@ -286,8 +390,11 @@ def _plot(results, path):
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
   sweep = results["settings"]["sweep"]
-  fig.suptitle(f"MLP width {sweep['width']}, batch {sweep['batch']}, adam; "
-               f"{platform.processor() or platform.machine()}", fontsize=9)
+  fig.suptitle(
+    f"MLP width {sweep['width']}, batch {sweep['batch']}, adam; "
+    f"{platform.processor() or platform.machine()}",
+    fontsize=9,
+  )
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
@@ -296,14 +403,21 @@ def _plot(results, path):
 def _machine() -> dict:
   import haiku  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
+
   import immgrad  # pylint: disable=g-import-not-at-top
-  return {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-          "platform": platform.platform(), "cpu_count": os.cpu_count(),
-          "python": platform.python_version(),
-          "devices": [str(d) for d in jax.devices()],
-          "device_kind": jax.devices()[0].device_kind,
-          "jax": jax.__version__, "optax": optax.__version__,
-          "haiku": haiku.__version__, "immgrad": immgrad.__version__}
+
+  return {
+    "date": datetime.datetime.now().isoformat(timespec="seconds"),
+    "platform": platform.platform(),
+    "cpu_count": os.cpu_count(),
+    "python": platform.python_version(),
+    "devices": [str(d) for d in jax.devices()],
+    "device_kind": jax.devices()[0].device_kind,
+    "jax": jax.__version__,
+    "optax": optax.__version__,
+    "haiku": haiku.__version__,
+    "immgrad": immgrad.__version__,
+  }
 
 
 if __name__ == "__main__":

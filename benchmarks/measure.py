@@ -28,7 +28,7 @@ import os
 import re
 import tempfile
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -37,6 +37,7 @@ import numpy as np
 @dataclasses.dataclass
 class Candidate:
   """One method on one model: a step and the arguments it starts from."""
+
   name: str
   step: Callable  # (params, opt_state, *batch) -> (params, opt_state, loss)
   params: Any  # On the host (numpy): each measurement puts its own copy on
@@ -57,27 +58,34 @@ def _flops(compiled) -> float:
 
 def _peak_bytes(compiled) -> int:
   m = compiled.memory_analysis()
-  return int(m.temp_size_in_bytes + m.argument_size_in_bytes +
-             m.output_size_in_bytes - m.alias_size_in_bytes)
+  return int(
+    m.temp_size_in_bytes
+    + m.argument_size_in_bytes
+    + m.output_size_in_bytes
+    - m.alias_size_in_bytes
+  )
 
 
-def measure(candidates: list[Candidate], *, warmup: int,
-            repeats: int) -> dict[str, dict]:
+def measure(
+  candidates: list[Candidate], *, warmup: int, repeats: int
+) -> dict[str, dict]:
   """Figures for each candidate, timed interleaved; absolute values."""
   compiled, state, out = {}, {}, {}
   for c in candidates:
     jitted = jax.jit(c.step, donate_argnums=(0, 1))
     start = time.perf_counter()
     compiled[c.name] = jitted.lower(c.params, c.opt_state, *c.batch).compile()
-    out[c.name] = {"compile_seconds": time.perf_counter() - start,
-                   "flops": _flops(compiled[c.name]),
-                   "peak_bytes": _peak_bytes(compiled[c.name]),
-                   "step_seconds": []}
+    out[c.name] = {
+      "compile_seconds": time.perf_counter() - start,
+      "flops": _flops(compiled[c.name]),
+      "peak_bytes": _peak_bytes(compiled[c.name]),
+      "step_seconds": [],
+    }
     state[c.name] = jax.device_put((c.params, c.opt_state))
   names = [c.name for c in candidates]
   batches = {c.name: c.batch for c in candidates}
   for i in range(warmup + repeats):
-    order = names[i % len(names):] + names[:i % len(names)]
+    order = names[i % len(names) :] + names[: i % len(names)]
     for name in order:
       start = time.perf_counter()
       params, opt_state, loss = compiled[name](*state[name], *batches[name])
@@ -90,9 +98,14 @@ def measure(candidates: list[Candidate], *, warmup: int,
   return out
 
 
-def measure_alone(candidates: list[Candidate], *, warmup: int, repeats: int,
-                  hlo_dir: Optional[str] = None,
-                  profile: bool = False) -> dict[str, dict]:
+def measure_alone(
+  candidates: list[Candidate],
+  *,
+  warmup: int,
+  repeats: int,
+  hlo_dir: str | None = None,
+  profile: bool = False,
+) -> dict[str, dict]:
   """Figures for each candidate, one at a time; absolute values.
 
   Besides :func:`measure`'s figures: bytes accessed, counts of operations
@@ -104,15 +117,19 @@ def measure_alone(candidates: list[Candidate], *, warmup: int, repeats: int,
   out = {}
   for c in candidates:
     jitted = jax.jit(c.step, donate_argnums=(0, 1))
-    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
-                          (c.params, c.opt_state, *c.batch))
+    shapes = jax.tree.map(
+      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+      (c.params, c.opt_state, *c.batch),
+    )
     start = time.perf_counter()
     compiled = jitted.lower(*shapes).compile()
-    figures = {"compile_seconds": time.perf_counter() - start,
-               "flops": _flops(compiled),
-               "bytes_accessed": float(_cost(compiled)["bytes accessed"]),
-               "peak_bytes": _peak_bytes(compiled),
-               "hlo": hlo_counts(compiled.as_text())}
+    figures = {
+      "compile_seconds": time.perf_counter() - start,
+      "flops": _flops(compiled),
+      "bytes_accessed": float(_cost(compiled)["bytes accessed"]),
+      "peak_bytes": _peak_bytes(compiled),
+      "hlo": hlo_counts(compiled.as_text()),
+    }
     if hlo_dir is not None:
       os.makedirs(hlo_dir, exist_ok=True)
       name = re.sub(r"[^A-Za-z0-9.]+", "_", c.name).strip("_")
@@ -130,10 +147,14 @@ def measure_alone(candidates: list[Candidate], *, warmup: int, repeats: int,
     figures["median_step_seconds"] = float(np.median(times))
     if profile:
       try:
-        figures["device_ops"], state = device_ops(compiled, state, c.batch,
-                                                  repeats)
-        steps = [v["total_us"] for k, v in figures["device_ops"].items()
-                 if k.endswith("| Steps")]
+        figures["device_ops"], state = device_ops(
+          compiled, state, c.batch, repeats
+        )
+        steps = [
+          v["total_us"]
+          for k, v in figures["device_ops"].items()
+          if k.endswith("| Steps")
+        ]
         if steps:  # The device's own time per step (a TPU's "Steps" line).
           figures["device_step_seconds"] = steps[0] / 1e6
       except Exception as e:  # pylint: disable=broad-except
@@ -145,11 +166,21 @@ def measure_alone(candidates: list[Candidate], *, warmup: int, repeats: int,
   return out
 
 
-_COUNTED = ("conditional", "while", "fusion", "transpose", "copy",
-            "convolution", "dot", "select", "all-reduce", "custom-call")
+_COUNTED = (
+  "conditional",
+  "while",
+  "fusion",
+  "transpose",
+  "copy",
+  "convolution",
+  "dot",
+  "select",
+  "all-reduce",
+  "custom-call",
+)
 
 
-def _opcode(line: str) -> Optional[str]:
+def _opcode(line: str) -> str | None:
   """The operation of one HLO instruction line (``%x = TYPE op(...)``)."""
   if " = " not in line:
     return None
@@ -159,7 +190,7 @@ def _opcode(line: str) -> Optional[str]:
     for i, ch in enumerate(rest):
       depth += {"(": 1, ")": -1}.get(ch, 0)
       if depth == 0:
-        rest = rest[i + 1:]
+        rest = rest[i + 1 :]
         break
   else:
     rest = rest.split(" ", 1)[1] if " " in rest else ""
@@ -201,8 +232,9 @@ def device_ops(compiled, state, batch, steps: int, top: int = 25):
       for _ in range(steps):
         *state, loss = compiled(*state, *batch)
       jax.block_until_ready((state, loss))
-    (path,) = glob.glob(os.path.join(folder, "**", "*.xplane.pb"),
-                        recursive=True)
+    (path,) = glob.glob(
+      os.path.join(folder, "**", "*.xplane.pb"), recursive=True
+    )
     data = jax.profiler.ProfileData.from_file(path)
     lines = {}
     for plane in data.planes:
@@ -213,9 +245,11 @@ def device_ops(compiled, state, batch, steps: int, top: int = 25):
         for event in line.events:
           total[event.name] += event.duration_ns / 1e3 / steps
         lines[f"{plane.name} | {line.name}"] = {
-            "total_us": sum(total.values()), "ops": len(total),
-            "top_us": dict(total.most_common(top)),
-            "by_kind_us": by_kind(total)}
+          "total_us": sum(total.values()),
+          "ops": len(total),
+          "top_us": dict(total.most_common(top)),
+          "by_kind_us": by_kind(total),
+        }
   return lines, state
 
 
@@ -239,15 +273,26 @@ def by_kind(times: dict[str, float]) -> dict[str, float]:
 
 def flops(candidates: list[Candidate]) -> dict[str, float]:
   """Each candidate's FLOPs, compiled only (for a loop-free twin of a model:
-  XLA's cost analysis counts a loop's body once, whatever its trip count)."""
-  return {c.name: _flops(jax.jit(c.step, donate_argnums=(0, 1)).lower(
-      c.params, c.opt_state, *c.batch).compile()) for c in candidates}
+  XLA's cost analysis counts a loop's body once, whatever its trip count).
+  """
+  return {
+    c.name: _flops(
+      jax.jit(c.step, donate_argnums=(0, 1))
+      .lower(c.params, c.opt_state, *c.batch)
+      .compile()
+    )
+    for c in candidates
+  }
 
 
-def ratios(figures: dict[str, dict], baseline: str = "plain",
-           keys=("flops", "peak_bytes", "median_step_seconds",
-                 "compile_seconds")) -> dict:
+def ratios(
+  figures: dict[str, dict],
+  baseline: str = "plain",
+  keys=("flops", "peak_bytes", "median_step_seconds", "compile_seconds"),
+) -> dict:
   """Each candidate's figures divided by the baseline's, same run."""
   base = figures[baseline]
-  return {name: {key: f[key] / base[key] for key in keys}
-          for name, f in figures.items()}
+  return {
+    name: {key: f[key] / base[key] for key in keys}
+    for name, f in figures.items()
+  }

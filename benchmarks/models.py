@@ -25,22 +25,30 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from benchmarks.measure import Candidate
 import immgrad
 import immgrad.haiku
-from benchmarks.measure import Candidate
 
-METHODS = ("plain", "plain + apply_if_finite", "current", "updated",
-           "current (atomic=False)", "updated (atomic=False)")
+METHODS = (
+  "plain",
+  "plain + apply_if_finite",
+  "current",
+  "updated",
+  "current (atomic=False)",
+  "updated (atomic=False)",
+)
 
 
 def _host(tree):
   """A candidate's own copy on the host (its measurement puts it on the
-  device, where the step donates it)."""
+  device, where the step donates it).
+  """
   return jax.tree.map(np.asarray, tree)
 
 
-def candidates_for(loss_fn: Callable, params, batch,
-                   methods=METHODS) -> list[Candidate]:
+def candidates_for(
+  loss_fn: Callable, params, batch, methods=METHODS
+) -> list[Candidate]:
   """The training step of each method for ``loss_fn(params, *batch)``."""
   out = []
   for method in methods:
@@ -61,12 +69,14 @@ def candidates_for(loss_fn: Callable, params, batch,
         loss, grads = grad_fn(params, opt_state, *batch)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
+
     p = _host(params)
     out.append(Candidate(method, step, p, _host(tx.init(p)), batch))
   return out
 
 
 # -- MLP: affine layers, ReLU outside --------------------------------------
+
 
 def _dense(x, p):
   return x @ p["w"] + p["b"]
@@ -81,9 +91,13 @@ def mlp(depth: int, width: int, batch: int, *, methods=METHODS):
   ``methods`` may include ``"naive"``.
   """
   keys = jax.random.split(jax.random.PRNGKey(0), depth + 2)
-  params = {f"layer{i}": {
+  params = {
+    f"layer{i}": {
       "w": jax.random.normal(keys[i], (width, width)) / np.sqrt(width),
-      "b": jnp.zeros(width)} for i in range(depth)}
+      "b": jnp.zeros(width),
+    }
+    for i in range(depth)
+  }
   x = jax.random.normal(keys[-2], (batch, width))
   y = jax.random.normal(keys[-1], (batch, width))
 
@@ -95,30 +109,42 @@ def mlp(depth: int, width: int, batch: int, *, methods=METHODS):
         h = jax.nn.relu(h)
     return jnp.mean((h - y) ** 2)
 
-  out = candidates_for(loss_fn, params, (x, y),
-                       [m for m in methods if m != "naive"])
+  out = candidates_for(
+    loss_fn, params, (x, y), [m for m in methods if m != "naive"]
+  )
   if "naive" in methods:
     opt = optax.adam(1e-3)
     p = _host(params)
-    out.append(Candidate("naive", _naive_step(depth, opt), p,
-                         _host({k: opt.init(v) for k, v in p.items()}),
-                         (x, y)))
+    out.append(
+      Candidate(
+        "naive",
+        _naive_step(depth, opt),
+        p,
+        _host({k: opt.init(v) for k, v in p.items()}),
+        (x, y),
+      )
+    )
   return out
 
 
 def scanned_mlp(depth: int, width: int, batch: int):
   """The MLP's layers stacked and run under ``immgrad.scan`` (plain: the
-  same loss, where ``immgrad.scan`` is ``jax.lax.scan``)."""
+  same loss, where ``immgrad.scan`` is ``jax.lax.scan``).
+  """
   k1, k2, k3 = jax.random.split(jax.random.PRNGKey(0), 3)
-  params = {"blocks": {
+  params = {
+    "blocks": {
       "w": jax.random.normal(k1, (depth, width, width)) / np.sqrt(width),
-      "b": jnp.zeros((depth, width))}}
+      "b": jnp.zeros((depth, width)),
+    }
+  }
   x = jax.random.normal(k2, (batch, width))
   y = jax.random.normal(k3, (batch, width))
 
   def loss_fn(params, x, y):
     def block(h, p):
       return jax.nn.relu(dense(h, p)), None
+
     h, _ = immgrad.scan(block, x, params["blocks"])
     return jnp.mean((h - y) ** 2)
 
@@ -139,20 +165,21 @@ def _naive_step(depth: int, opt):
     loss, loss_vjp = jax.vjp(lambda out: jnp.mean((out - y) ** 2), h)
     (top,) = loss_vjp(jnp.ones_like(loss))
     new, new_states = dict(params), dict(states)
-    for l in reversed(range(depth)):
-      d = top  # Down from the loss through the updated layers above l.
-      for k in range(depth - 1, l, -1):
+    for j in reversed(range(depth)):
+      d = top  # Down from the loss through the updated layers above j.
+      for k in range(depth - 1, j, -1):
         if k < depth - 1:
           d = jnp.where(pre[k] > 0, d, 0.0)
-        (d,) = jax.vjp(lambda x, k=k: _dense(x, new[names[k]]),
-                       inputs[k])[1](d)
-      if l < depth - 1:
-        d = jnp.where(pre[l] > 0, d, 0.0)
-      (dw,) = jax.vjp(lambda w, l=l: _dense(inputs[l], w),
-                      params[names[l]])[1](d)
-      updates, new_states[names[l]] = opt.update(dw, states[names[l]],
-                                                 params[names[l]])
-      new[names[l]] = optax.apply_updates(params[names[l]], updates)
+        (d,) = jax.vjp(lambda x, k=k: _dense(x, new[names[k]]), inputs[k])[1](d)
+      if j < depth - 1:
+        d = jnp.where(pre[j] > 0, d, 0.0)
+      (dw,) = jax.vjp(lambda w, j=j: _dense(inputs[j], w), params[names[j]])[1](
+        d
+      )
+      updates, new_states[names[j]] = opt.update(
+        dw, states[names[j]], params[names[j]]
+      )
+      new[names[j]] = optax.apply_updates(params[names[j]], updates)
     return new, new_states, loss
 
   return step
@@ -160,26 +187,37 @@ def _naive_step(depth: int, opt):
 
 # -- Transformer LM, built with immgrad.haiku ------------------------------
 
+
 def _block(h, mask, heads, mlp_size):
   d_model = h.shape[-1]
   a = hk.LayerNorm(-1, True, True)(h)
-  a = hk.MultiHeadAttention(heads, d_model // heads,
-                            w_init=hk.initializers.VarianceScaling(1.0))(
-                                a, a, a, mask)
+  a = hk.MultiHeadAttention(
+    heads, d_model // heads, w_init=hk.initializers.VarianceScaling(1.0)
+  )(a, a, a, mask)
   h = h + a
   m = hk.LayerNorm(-1, True, True)(h)
   return h + hk.Linear(d_model)(jax.nn.gelu(hk.Linear(mlp_size)(m)))
 
 
-def transformer(*, blocks=4, d_model=256, heads=4, mlp_size=1024, seq=128,
-                batch=16, vocab=256, stacked=False):
+def transformer(
+  *,
+  blocks=4,
+  d_model=256,
+  heads=4,
+  mlp_size=1024,
+  seq=128,
+  batch=16,
+  vocab=256,
+  stacked=False,
+):
   """A decoder-only LM; ``stacked`` puts the blocks under hk.layer_stack."""
 
   def forward(tokens):
     mask = jnp.tril(jnp.ones((seq, seq), bool))[None, None]
     h = hk.Embed(vocab, d_model)(tokens)
-    h = h + hk.get_parameter("positions", (seq, d_model),
-                             init=hk.initializers.RandomNormal(0.02))
+    h = h + hk.get_parameter(
+      "positions", (seq, d_model), init=hk.initializers.RandomNormal(0.02)
+    )
     block = lambda h: _block(h, mask, heads, mlp_size)
     if stacked:
       h = hk.layer_stack(blocks)(block)(h)
@@ -189,14 +227,14 @@ def transformer(*, blocks=4, d_model=256, heads=4, mlp_size=1024, seq=128,
     return hk.Linear(vocab)(hk.LayerNorm(-1, True, True)(h))
 
   model = hk.without_apply_rng(hk.transform(immgrad.haiku.immediate(forward)))
-  tokens = jax.random.randint(jax.random.PRNGKey(1), (batch, seq + 1), 0,
-                              vocab)
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (batch, seq + 1), 0, vocab)
   inputs, targets = tokens[:, :-1], tokens[:, 1:]
   params = model.init(jax.random.PRNGKey(0), inputs)
 
   def loss_fn(params, inputs, targets):
     logits = model.apply(params, inputs)
     return optax.softmax_cross_entropy_with_integer_labels(
-        logits, targets).mean()
+      logits, targets
+    ).mean()
 
   return candidates_for(loss_fn, params, (inputs, targets))

@@ -29,6 +29,7 @@ import immgrad.equinox
 
 class CNN(eqx.Module):
   """A small CNN on one (1, 8, 8) image, as for any Equinox training loop."""
+
   conv1: eqx.nn.Conv2d
   conv2: eqx.nn.Conv2d
   linear1: eqx.nn.Linear
@@ -61,8 +62,9 @@ def load_digits(seed):
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--mode", default="updated",
-                      choices=["updated", "current"])
+  parser.add_argument(
+    "--mode", default="updated", choices=["updated", "current"]
+  )
   parser.add_argument("--epochs", type=int, default=10)
   parser.add_argument("--batch-size", type=int, default=64)
   parser.add_argument("--lr", type=float, default=3e-3)
@@ -78,10 +80,12 @@ def main():
   def loss_fn(params, images, labels):
     logits = jax.vmap(eqx.combine(params, static))(images)
     return optax.softmax_cross_entropy_with_integer_labels(
-        logits, labels).mean()
+      logits, labels
+    ).mean()
 
-  grad_fn = immgrad.value_and_grad(immgrad.equinox.immediate(loss_fn), tx,
-                                   mode=args.mode)
+  grad_fn = immgrad.value_and_grad(
+    immgrad.equinox.immediate(loss_fn), tx, mode=args.mode
+  )
 
   @eqx.filter_jit
   def train_step(params, opt_state, images, labels):
@@ -100,13 +104,16 @@ def main():
     order = rng.permutation(len(y_train))
     losses = []
     for i in range(steps):
-      batch = order[i * args.batch_size:(i + 1) * args.batch_size]
-      params, opt_state, loss = train_step(params, opt_state, x_train[batch],
-                                           y_train[batch])
+      batch = order[i * args.batch_size : (i + 1) * args.batch_size]
+      params, opt_state, loss = train_step(
+        params, opt_state, x_train[batch], y_train[batch]
+      )
       losses.append(float(loss))
     acc = float(accuracy(params, x_test, y_test))
-    print(f"epoch {epoch:2d}  train loss {np.mean(losses):.4f}  "
-          f"test accuracy {acc:.3f}")
+    print(
+      f"epoch {epoch:2d}  train loss {np.mean(losses):.4f}  "
+      f"test accuracy {acc:.3f}"
+    )
 
 
 if __name__ == "__main__":

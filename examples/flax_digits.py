@@ -58,8 +58,9 @@ def load_digits(seed):
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--mode", default="updated",
-                      choices=["updated", "current"])
+  parser.add_argument(
+    "--mode", default="updated", choices=["updated", "current"]
+  )
   parser.add_argument("--epochs", type=int, default=10)
   parser.add_argument("--batch-size", type=int, default=64)
   parser.add_argument("--lr", type=float, default=3e-3)
@@ -81,8 +82,9 @@ def main():
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
     return loss.mean(), nnx.state(model, nnx.Not(nnx.Param))
 
-  grad_fn = immgrad.value_and_grad(immgrad.flax.immediate(loss_fn), tx,
-                                   mode=args.mode, has_aux=True)
+  grad_fn = immgrad.value_and_grad(
+    immgrad.flax.immediate(loss_fn), tx, mode=args.mode, has_aux=True
+  )
 
   @jax.jit
   def train_step(params, opt_state, rest, images, labels):
@@ -102,13 +104,16 @@ def main():
     order = rng.permutation(len(y_train))
     losses = []
     for i in range(steps):
-      batch = order[i * args.batch_size:(i + 1) * args.batch_size]
+      batch = order[i * args.batch_size : (i + 1) * args.batch_size]
       params, opt_state, rest, loss = train_step(
-          params, opt_state, rest, x_train[batch], y_train[batch])
+        params, opt_state, rest, x_train[batch], y_train[batch]
+      )
       losses.append(float(loss))
     acc = float(accuracy(params, rest, x_test, y_test))
-    print(f"epoch {epoch:2d}  train loss {np.mean(losses):.4f}  "
-          f"test accuracy {acc:.3f}")
+    print(
+      f"epoch {epoch:2d}  train loss {np.mean(losses):.4f}  "
+      f"test accuracy {acc:.3f}"
+    )
 
 
 if __name__ == "__main__":

@@ -47,8 +47,9 @@ def load_digits(seed):
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--mode", default="updated",
-                      choices=["updated", "current"])
+  parser.add_argument(
+    "--mode", default="updated", choices=["updated", "current"]
+  )
   parser.add_argument("--epochs", type=int, default=10)
   parser.add_argument("--batch-size", type=int, default=64)
   parser.add_argument("--lr", type=float, default=3e-3)
@@ -64,7 +65,8 @@ def main():
   def loss_fn(params, images, labels):
     logits = model.apply(params, images)
     return optax.softmax_cross_entropy_with_integer_labels(
-        logits, labels).mean()
+      logits, labels
+    ).mean()
 
   grad_fn = immgrad.value_and_grad(loss_fn, tx, mode=args.mode)
 
@@ -84,13 +86,16 @@ def main():
     order = rng.permutation(len(y_train))
     losses = []
     for i in range(steps):
-      batch = order[i * args.batch_size:(i + 1) * args.batch_size]
-      params, opt_state, loss = train_step(params, opt_state, x_train[batch],
-                                           y_train[batch])
+      batch = order[i * args.batch_size : (i + 1) * args.batch_size]
+      params, opt_state, loss = train_step(
+        params, opt_state, x_train[batch], y_train[batch]
+      )
       losses.append(float(loss))
     acc = float(accuracy(params, x_test, y_test))
-    print(f"epoch {epoch:2d}  train loss {np.mean(losses):.4f}  "
-          f"test accuracy {acc:.3f}")
+    print(
+      f"epoch {epoch:2d}  train loss {np.mean(losses):.4f}  "
+      f"test accuracy {acc:.3f}"
+    )
 
 
 if __name__ == "__main__":

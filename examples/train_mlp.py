@@ -27,10 +27,12 @@ def dense(x, params):
 def init_mlp(key, sizes):
   params = {}
   for i, (k, n_in, n_out) in enumerate(
-      zip(jax.random.split(key, len(sizes) - 1), sizes[:-1], sizes[1:])):
+    zip(jax.random.split(key, len(sizes) - 1), sizes[:-1], sizes[1:])
+  ):
     params[f"layer{i}"] = {
-        "w": jax.random.normal(k, (n_in, n_out)) * np.sqrt(2.0 / n_in),
-        "b": jnp.zeros(n_out)}
+      "w": jax.random.normal(k, (n_in, n_out)) * np.sqrt(2.0 / n_in),
+      "b": jnp.zeros(n_out),
+    }
   return params
 
 
@@ -44,6 +46,7 @@ def mlp(layer, params, x):
 def make_loss(layer):
   def loss_fn(params, x, y):
     return jnp.mean((mlp(layer, params, x) - y) ** 2)
+
   return loss_fn
 
 
@@ -57,7 +60,8 @@ def train(method, params, batches, learning_rate):
   else:  # The only changes: the shim, the decorator, immgrad.value_and_grad.
     tx = immgrad.shim(opt)
     value_and_grad = immgrad.value_and_grad(
-        make_loss(immgrad.immediate_layer(dense)), tx, mode=method)
+      make_loss(immgrad.immediate_layer(dense)), tx, mode=method
+    )
 
   @jax.jit
   def step(params, opt_state, x, y):
@@ -85,24 +89,28 @@ def main():
 
   sizes = [16] + [args.width] * (args.depth - 1) + [4]
   teacher_key, student_key, data_key = jax.random.split(
-      jax.random.PRNGKey(args.seed), 3)
+    jax.random.PRNGKey(args.seed), 3
+  )
   teacher = init_mlp(teacher_key, sizes)
   xs = jax.random.normal(data_key, (args.steps, args.batch, sizes[0]))
   batches = [(x, mlp(dense, teacher, x)) for x in xs]
   student = init_mlp(student_key, sizes)
 
   methods = ("plain", "current", "updated")
-  losses = {m: train(m, student, batches, args.learning_rate)
-            for m in methods}
+  losses = {m: train(m, student, batches, args.learning_rate) for m in methods}
   print(f"MLP {sizes}, adam({args.learning_rate}), batch {args.batch}")
   print(f"{'step':>6} " + " ".join(f"{m:>12}" for m in methods))
-  for i in sorted({0, *range(args.steps // 10 - 1, args.steps,
-                             max(1, args.steps // 10))}):
+  for i in sorted(
+    {0, *range(args.steps // 10 - 1, args.steps, max(1, args.steps // 10))}
+  ):
     print(f"{i + 1:>6} " + " ".join(f"{losses[m][i]:>12.6f}" for m in methods))
-  gap = max(abs(a - b) / abs(b) for a, b in zip(losses["current"],
-                                                losses["plain"]))
-  print(f"current vs plain: largest relative loss difference {gap:.1e} "
-        "(float rounding only)")
+  gap = max(
+    abs(a - b) / abs(b) for a, b in zip(losses["current"], losses["plain"])
+  )
+  print(
+    f"current vs plain: largest relative loss difference {gap:.1e} "
+    "(float rounding only)"
+  )
 
 
 if __name__ == "__main__":

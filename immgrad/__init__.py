@@ -28,6 +28,7 @@ def __getattr__(name):
   """
   if name in ("haiku", "flax", "equinox"):
     import importlib  # pylint: disable=g-import-not-at-top
+
     return importlib.import_module(f"immgrad.{name}")
   raise AttributeError(f"module 'immgrad' has no attribute {name!r}")
 
@@ -38,21 +39,21 @@ except _metadata.PackageNotFoundError:  # Imported from a source tree.
   __version__ = "0+unknown"
 
 __all__ = (
-    "ImmediateGrad",
-    "Layers",
-    "ShimState",
-    "ShimTransformation",
-    "Stepped",
-    "checkpoint",
-    "clip_by_layer_norm",
-    "immediate",
-    "immediate_layer",
-    "layers",
-    "restore_checkpoint",
-    "save_checkpoint",
-    "scan",
-    "shim",
-    "shim_state_from_optax",
-    "shim_state_to_optax",
-    "value_and_grad",
+  "ImmediateGrad",
+  "Layers",
+  "ShimState",
+  "ShimTransformation",
+  "Stepped",
+  "checkpoint",
+  "clip_by_layer_norm",
+  "immediate",
+  "immediate_layer",
+  "layers",
+  "restore_checkpoint",
+  "save_checkpoint",
+  "scan",
+  "shim",
+  "shim_state_from_optax",
+  "shim_state_to_optax",
+  "value_and_grad",
 )

@@ -10,16 +10,17 @@ Needs Equinox: ``pip install "immgrad[equinox]"``.
 """
 
 try:
-  import equinox as _equinox  # pylint: disable=unused-import
+  import equinox as _equinox  # noqa: F401  # pylint: disable=unused-import
 except ImportError as e:
   raise ImportError(
-      'immgrad.equinox needs Equinox: pip install "immgrad[equinox]"') from e
+    'immgrad.equinox needs Equinox: pip install "immgrad[equinox]"'
+  ) from e
 
 # pylint: disable=g-import-not-at-top,g-bad-import-order
 from immgrad._src.equinox_immediate import DEFAULT_MODULES as DEFAULT_MODULES
 from immgrad._src.equinox_immediate import immediate as immediate
 
 __all__ = (
-    "DEFAULT_MODULES",
-    "immediate",
+  "DEFAULT_MODULES",
+  "immediate",
 )

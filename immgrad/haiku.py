@@ -22,15 +22,15 @@ from immgrad._src.haiku_layers import Linear as Linear
 from immgrad._src.haiku_layers import RMSNorm as RMSNorm
 
 __all__ = (
-    "Conv1D",
-    "Conv2D",
-    "Conv3D",
-    "ConvND",
-    "DEFAULT_MODULES",
-    "Embed",
-    "LayerNorm",
-    "Linear",
-    "RMSNorm",
-    "immediate",
-    "layer_stack",
+  "Conv1D",
+  "Conv2D",
+  "Conv3D",
+  "ConvND",
+  "DEFAULT_MODULES",
+  "Embed",
+  "LayerNorm",
+  "Linear",
+  "RMSNorm",
+  "immediate",
+  "layer_stack",
 )

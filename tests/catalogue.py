@@ -63,19 +63,18 @@ import subprocess
 import sys
 import time
 import typing
+from typing import Any, Callable
 import warnings
-from typing import Any, Callable, Optional
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 import optax
 import optax.contrib
-from jax import lax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import oracles  # pylint: disable=g-import-not-at-top,wrong-import-position
-
 import immgrad  # pylint: disable=g-import-not-at-top,wrong-import-position
+import oracles  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 MODULES = {"": optax, "contrib.": optax.contrib}
 
@@ -97,13 +96,13 @@ STATUSES = (PER_PARAMETER, WHOLE_TREE, EXTRA)
 
 # Public callables without a return annotation that are not rule factories.
 NOT_RULES = {
-    "bias_correction": "tree math helper",
-    "matrix_inverse_pth_root": "linear algebra helper",
-    "sigmoid_binary_cross_entropy": "a loss",
-    "update_infinity_moment": "tree math helper",
-    "update_moment": "tree math helper",
-    "update_moment_per_elem_norm": "tree math helper",
-    "contrib.schedule_free_eval_params": "evaluation params of a state",
+  "bias_correction": "tree math helper",
+  "matrix_inverse_pth_root": "linear algebra helper",
+  "sigmoid_binary_cross_entropy": "a loss",
+  "update_infinity_moment": "tree math helper",
+  "update_moment": "tree math helper",
+  "update_moment_per_elem_norm": "tree math helper",
+  "contrib.schedule_free_eval_params": "evaluation params of a state",
 }
 
 
@@ -113,8 +112,9 @@ def _per_leaf_mask(params):
 
 
 def _labels(params):
-  return jax.tree.map(lambda p: "matrix" if jnp.ndim(p) > 1 else "vector",
-                      params)
+  return jax.tree.map(
+    lambda p: "matrix" if jnp.ndim(p) > 1 else "vector", params
+  )
 
 
 def _adam():
@@ -134,151 +134,176 @@ def _schedule():
   float64 comparison.
   """
   dtype = _dtype()
-  return lambda count: jnp.asarray(LR, dtype) * (
-      1 - 0.9 * jnp.minimum(count, STEPS).astype(dtype) / STEPS)
+  return lambda count: (
+    jnp.asarray(LR, dtype)
+    * (1 - 0.9 * jnp.minimum(count, STEPS).astype(dtype) / STEPS)
+  )
 
 
 # Construction arguments by parameter name, for any factory that requires
 # one (optional ones keep optax's defaults unless ARGS says otherwise).
 BY_PARAM = {
-    "learning_rate": lambda: LR,
-    "inner": _adam,
-    "opt": _adam,
-    "tx": _adam,
-    "fast_optimizer": _adam,
-    "base_optimizer": _adam,
-    "optimizer": _adam,
-    "adv_optimizer": lambda: optax.sgd(LR),
-    "inner_factory": lambda: optax.adam,
-    "mask": lambda: _per_leaf_mask,
-    "param_labels": lambda: _labels,
-    "transforms": lambda: {"matrix": optax.adam(LR), "vector": optax.sgd(LR)},
-    "max_delta": lambda: 0.02,
-    "threshold": lambda: 0.02,
-    "clipping": lambda: 0.05,
-    "max_norm": lambda: 0.05,
-    "l2_norm_clip": lambda: 0.1,
-    "noise_multiplier": lambda: 0.5,
-    "seed": lambda: 0,
-    "decay": lambda: 0.9,
-    "step_size": lambda: -LR,
-    "step_size_fn": lambda: (lambda count: -LR * 0.95 ** count),
-    "max_consecutive_errors": lambda: 2,
-    "should_transform_fn": lambda: (lambda count: count % 2 == 0),
-    "eta": lambda: 0.01,
-    "gamma": lambda: 0.55,
-    "max_backtracking_steps": lambda: 5,
-    "max_linesearch_steps": lambda: 5,
-    "measure": lambda: _global_norm,
-    "measure_name": lambda: "norm",
-    "measures": lambda: {"norm": optax.measure_with_ema(_global_norm, 0.9)},
-    "every_k_schedule": lambda: 2,
-    "sync_period": lambda: 3,
-    "slow_step_size": lambda: 0.5,
+  "learning_rate": lambda: LR,
+  "inner": _adam,
+  "opt": _adam,
+  "tx": _adam,
+  "fast_optimizer": _adam,
+  "base_optimizer": _adam,
+  "optimizer": _adam,
+  "adv_optimizer": lambda: optax.sgd(LR),
+  "inner_factory": lambda: optax.adam,
+  "mask": lambda: _per_leaf_mask,
+  "param_labels": lambda: _labels,
+  "transforms": lambda: {"matrix": optax.adam(LR), "vector": optax.sgd(LR)},
+  "max_delta": lambda: 0.02,
+  "threshold": lambda: 0.02,
+  "clipping": lambda: 0.05,
+  "max_norm": lambda: 0.05,
+  "l2_norm_clip": lambda: 0.1,
+  "noise_multiplier": lambda: 0.5,
+  "seed": lambda: 0,
+  "decay": lambda: 0.9,
+  "step_size": lambda: -LR,
+  "step_size_fn": lambda: lambda count: -LR * 0.95**count,
+  "max_consecutive_errors": lambda: 2,
+  "should_transform_fn": lambda: lambda count: count % 2 == 0,
+  "eta": lambda: 0.01,
+  "gamma": lambda: 0.55,
+  "max_backtracking_steps": lambda: 5,
+  "max_linesearch_steps": lambda: 5,
+  "measure": lambda: _global_norm,
+  "measure_name": lambda: "norm",
+  "measures": lambda: {"norm": optax.measure_with_ema(_global_norm, 0.9)},
+  "every_k_schedule": lambda: 2,
+  "sync_period": lambda: 3,
+  "slow_step_size": lambda: 0.5,
 }
 
 # Per-rule arguments (required ones BY_PARAM lacks, and optional ones that
 # make the rule act on the tiny model).
 ARGS = {
-    "adafactor": lambda: dict(learning_rate=LR, min_dim_size_to_factor=2),
-    "adadelta": lambda: dict(learning_rate=1.0),
-    "scale_by_factored_rms": lambda: dict(min_dim_size_to_factor=2),
-    "add_decayed_weights": lambda: dict(weight_decay=0.1),
-    "add_noise": lambda: dict(eta=0.01, gamma=0.55, key=0),
-    "noisy_sgd": lambda: dict(learning_rate=LR, key=0),
-    "apply_every": lambda: dict(k=3),
-    # State dtypes that default to float32: the run's dtype instead.
-    "MultiSteps": lambda: dict(opt=_adam(), every_k_schedule=2,
-                               accumulator_dtype=_dtype()),
-    "scale_by_distance_over_gradients": lambda: dict(param_dtype=_dtype()),
-    # Rank >= 2 only: tried on the matrices, the biases masked out.
-    "contrib.scale_by_muon": lambda: dict(
-        weight_dimension_numbers=lambda params: jax.tree.map(
-            lambda _: optax.contrib.MuonDimensionNumbers(), params),
-        wrap=lambda tx: optax.masked(tx, _per_leaf_mask)),
-    # Steps it does not transform pass the gradient through: a direction.
-    "conditionally_transform": lambda: dict(
-        inner=optax.scale_by_adam(), scaled=True),
-    "selective_transform": lambda: dict(optimizer=_adam(), freeze_mask=False),
-    "stateless": lambda: dict(f=lambda u, p: jax.tree.map(lambda g: -LR * g,
-                                                          u)),
-    "stateless_with_tree_map": lambda: dict(f=lambda g, p: -LR * g),
-    "scale_by_rprop": lambda: dict(learning_rate=1.0),
-    "chain": lambda: dict(args=(optax.scale_by_adam(),
-                                optax.scale_by_learning_rate(LR))),
-    "named_chain": lambda: dict(args=(
-        ("adam", optax.scale_by_adam()),
-        ("lr", optax.scale_by_learning_rate(LR)))),
-    # Hyperparameters in the run's dtype (see _schedule).
-    "inject_hyperparams": lambda: dict(
-        inner_factory=optax.adam, hyperparam_dtype=_dtype(),
-        call=dict(learning_rate=_schedule())),
-    "inject_stateful_hyperparams": lambda: dict(
-        inner_factory=optax.adam, hyperparam_dtype=_dtype(),
-        call=dict(learning_rate=_schedule())),
-    "lookahead": lambda: dict(fast_optimizer=_adam(), sync_period=3,
-                              slow_step_size=0.5),
-    "contrib.galore": lambda: dict(learning_rate=LR, rank=2,
-                                   update_proj_gap=5),
-    "contrib.scale_by_galore": lambda: dict(rank=2, update_proj_gap=5),
-    "contrib.sophia": lambda: dict(learning_rate=LR, update_interval=3),
-    "contrib.schedule_free": lambda: dict(base_optimizer=optax.sgd(1.0),
-                                          learning_rate=LR),
-    "contrib.scale_by_madgrad": lambda: dict(learning_rate=1.0),
-    "contrib.dpsgd": lambda: dict(learning_rate=LR, l2_norm_clip=0.1,
-                                  noise_multiplier=0.5, seed=0),
-    "contrib.differentially_private_aggregate": lambda: dict(
-        l2_norm_clip=0.1, noise_multiplier=0.5, key=0),
+  "adafactor": lambda: dict(learning_rate=LR, min_dim_size_to_factor=2),
+  "adadelta": lambda: dict(learning_rate=1.0),
+  "scale_by_factored_rms": lambda: dict(min_dim_size_to_factor=2),
+  "add_decayed_weights": lambda: dict(weight_decay=0.1),
+  "add_noise": lambda: dict(eta=0.01, gamma=0.55, key=0),
+  "noisy_sgd": lambda: dict(learning_rate=LR, key=0),
+  "apply_every": lambda: dict(k=3),
+  # State dtypes that default to float32: the run's dtype instead.
+  "MultiSteps": lambda: dict(
+    opt=_adam(), every_k_schedule=2, accumulator_dtype=_dtype()
+  ),
+  "scale_by_distance_over_gradients": lambda: dict(param_dtype=_dtype()),
+  # Rank >= 2 only: tried on the matrices, the biases masked out.
+  "contrib.scale_by_muon": lambda: dict(
+    weight_dimension_numbers=lambda params: jax.tree.map(
+      lambda _: optax.contrib.MuonDimensionNumbers(), params
+    ),
+    wrap=lambda tx: optax.masked(tx, _per_leaf_mask),
+  ),
+  # Steps it does not transform pass the gradient through: a direction.
+  "conditionally_transform": lambda: dict(
+    inner=optax.scale_by_adam(), scaled=True
+  ),
+  "selective_transform": lambda: dict(optimizer=_adam(), freeze_mask=False),
+  "stateless": lambda: dict(f=lambda u, p: jax.tree.map(lambda g: -LR * g, u)),
+  "stateless_with_tree_map": lambda: dict(f=lambda g, p: -LR * g),
+  "scale_by_rprop": lambda: dict(learning_rate=1.0),
+  "chain": lambda: dict(
+    args=(optax.scale_by_adam(), optax.scale_by_learning_rate(LR))
+  ),
+  "named_chain": lambda: dict(
+    args=(
+      ("adam", optax.scale_by_adam()),
+      ("lr", optax.scale_by_learning_rate(LR)),
+    )
+  ),
+  # Hyperparameters in the run's dtype (see _schedule).
+  "inject_hyperparams": lambda: dict(
+    inner_factory=optax.adam,
+    hyperparam_dtype=_dtype(),
+    call=dict(learning_rate=_schedule()),
+  ),
+  "inject_stateful_hyperparams": lambda: dict(
+    inner_factory=optax.adam,
+    hyperparam_dtype=_dtype(),
+    call=dict(learning_rate=_schedule()),
+  ),
+  "lookahead": lambda: dict(
+    fast_optimizer=_adam(), sync_period=3, slow_step_size=0.5
+  ),
+  "contrib.galore": lambda: dict(learning_rate=LR, rank=2, update_proj_gap=5),
+  "contrib.scale_by_galore": lambda: dict(rank=2, update_proj_gap=5),
+  "contrib.sophia": lambda: dict(learning_rate=LR, update_interval=3),
+  "contrib.schedule_free": lambda: dict(
+    base_optimizer=optax.sgd(1.0), learning_rate=LR
+  ),
+  "contrib.scale_by_madgrad": lambda: dict(learning_rate=1.0),
+  "contrib.dpsgd": lambda: dict(
+    learning_rate=LR, l2_norm_clip=0.1, noise_multiplier=0.5, seed=0
+  ),
+  "contrib.differentially_private_aggregate": lambda: dict(
+    l2_norm_clip=0.1, noise_multiplier=0.5, key=0
+  ),
 }
 
 # Rules whose update needs more than (grads, state, params): what, and the
 # keyword arguments that supply it in plain training (see _extras).
 EXTRA_ARGS = {
-    "polyak_sgd": ("value",),
-    "scale_by_polyak": ("value",),
-    "lbfgs": ("value", "grad", "value_fn"),
-    "scale_by_zoom_linesearch": ("value", "grad", "value_fn"),
-    "scale_by_backtracking_linesearch": ("value", "grad", "value_fn"),
-    "contrib.momo": ("value",),
-    "contrib.momo_adam": ("value",),
-    "contrib.reduce_on_plateau": ("value",),
-    "contrib.sophia": ("obj_fn",),
-    "contrib.hutchinson_estimator_diag_hessian": ("obj_fn",),
-    "contrib.dpsgd": ("per-example gradients",),
-    "contrib.differentially_private_aggregate": ("per-example gradients",),
-    "lookahead": ("optax.LookaheadParams as params",),
+  "polyak_sgd": ("value",),
+  "scale_by_polyak": ("value",),
+  "lbfgs": ("value", "grad", "value_fn"),
+  "scale_by_zoom_linesearch": ("value", "grad", "value_fn"),
+  "scale_by_backtracking_linesearch": ("value", "grad", "value_fn"),
+  "contrib.momo": ("value",),
+  "contrib.momo_adam": ("value",),
+  "contrib.reduce_on_plateau": ("value",),
+  "contrib.sophia": ("obj_fn",),
+  "contrib.hutchinson_estimator_diag_hessian": ("obj_fn",),
+  "contrib.dpsgd": ("per-example gradients",),
+  "contrib.differentially_private_aggregate": ("per-example gradients",),
+  "lookahead": ("optax.LookaheadParams as params",),
 }
 
 PRNG_STATE = {"noisy_sgd", "add_noise"}
 
 # Whole-tree by what a clean trajectory does not show.
 SEMANTIC = {
-    "apply_if_finite": "skips every parameter's step when any gradient is "
-                       "not finite",
-    "flatten": "keeps one state for all parameters, concatenated",
-    "snapshot": "keeps a measurement of the whole tree in its state",
-    "monitor": "keeps measurements of the whole tree in its state (and "
-               "its init state is shaped unlike its update's, so plain "
-               "training cannot carry it through lax.scan either)",
-    "measure_with_ema": "a measure for optax.monitor (its update returns "
-                        "the measurement, not updates): whole-tree",
+  "apply_if_finite": "skips every parameter's step when any gradient is "
+  "not finite",
+  "flatten": "keeps one state for all parameters, concatenated",
+  "snapshot": "keeps a measurement of the whole tree in its state",
+  "monitor": "keeps measurements of the whole tree in its state (and "
+  "its init state is shaped unlike its update's, so plain "
+  "training cannot carry it through lax.scan either)",
+  "measure_with_ema": "a measure for optax.monitor (its update returns "
+  "the measurement, not updates): whole-tree",
 }
 
 # Parameters that take a params-shaped tree (or a callable making one).
 TREE_OPTIONS = ("mask", "weight_decay_mask", "param_labels", "freeze_mask")
 
-WRAPPER_PARAMS = ("inner", "opt", "tx", "fast_optimizer", "base_optimizer",
-                  "optimizer", "inner_factory", "transforms")
+WRAPPER_PARAMS = (
+  "inner",
+  "opt",
+  "tx",
+  "fast_optimizer",
+  "base_optimizer",
+  "optimizer",
+  "inner_factory",
+  "transforms",
+)
 
 
 @dataclasses.dataclass
 class Case:
   """One thing to try through the shim."""
+
   name: str  # "adam", "contrib.cocob", "adamw(mask=tree)"
   rule: str  # The factory's name: "adamw".
   fn: Callable[..., Any]
   wrapper: bool = False
-  variant: Optional[str] = None  # The tree option, for params-shaped cases.
+  variant: str | None = None  # The tree option, for params-shaped cases.
   aliases: tuple = ()  # Other names optax exports the same factory under.
 
   @property
@@ -296,8 +321,10 @@ def _is_tx_annotation(annotation) -> bool:
 
 
 def _mentions_tx(annotation) -> bool:
-  return (annotation is not inspect.Signature.empty and
-          "GradientTransformation" in str(annotation))
+  return (
+    annotation is not inspect.Signature.empty
+    and "GradientTransformation" in str(annotation)
+  )
 
 
 def _public(module):
@@ -308,10 +335,16 @@ def _public(module):
 def _canonical(names: list, obj) -> str:
   """The name to file an object exported under several names under."""
   module = getattr(obj, "__module__", "") or ""
-  own = [n for n in names if n.startswith("contrib.") ==
-         module.startswith("optax.contrib")]
-  same = [n for n in own or names
-          if n.split(".")[-1] == getattr(obj, "__name__", None)]
+  own = [
+    n
+    for n in names
+    if n.startswith("contrib.") == module.startswith("optax.contrib")
+  ]
+  same = [
+    n
+    for n in own or names
+    if n.split(".")[-1] == getattr(obj, "__name__", None)
+  ]
   return (same or own or names)[0]
 
 
@@ -343,7 +376,8 @@ def discover():
     except (TypeError, ValueError):
       continue
     if getattr(obj, "__module__", "") == "typing" or isinstance(
-        obj, typing.TypeVar):
+      obj, typing.TypeVar
+    ):
       continue
     params = sig.parameters.values()
     takes_tx = any(_mentions_tx(p.annotation) for p in params)
@@ -359,16 +393,18 @@ def discover():
         unclassified.append((name, f"unannotated, cannot be built: {e}"))
         continue
       if isinstance(made, optax.GradientTransformation):
-        cases.append(Case(name, name, obj, wrapper=takes_tx,
-                          aliases=aliases))
+        cases.append(Case(name, name, obj, wrapper=takes_tx, aliases=aliases))
       else:
-        unclassified.append((name, "unannotated and not a rule: name it in "
-                                   "NOT_RULES"))
+        unclassified.append(
+          (name, "unannotated and not a rule: name it in NOT_RULES")
+        )
   cases.sort(key=lambda c: (c.name.startswith("contrib."), c.name))
   variants = []
   for case in cases:
-    if case.wrapper and case.rule in ("inject_hyperparams",
-                                      "inject_stateful_hyperparams"):
+    if case.wrapper and case.rule in (
+      "inject_hyperparams",
+      "inject_stateful_hyperparams",
+    ):
       continue
     try:
       names = inspect.signature(case.fn).parameters
@@ -376,8 +412,11 @@ def discover():
       continue
     for option in TREE_OPTIONS:
       if option in names:
-        variants.append(dataclasses.replace(
-            case, name=f"{case.rule}({option}=tree)", variant=option))
+        variants.append(
+          dataclasses.replace(
+            case, name=f"{case.rule}({option}=tree)", variant=option
+          )
+        )
   return cases + variants, unclassified
 
 
@@ -402,11 +441,14 @@ def build(case: Case, params=None, inner=None):
   for p in sig.parameters.values():
     if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.name in kwargs:
       continue
-    if p.default is p.empty or (p.name == "learning_rate" and
-                                p.default is None):
+    if p.default is p.empty or (
+      p.name == "learning_rate" and p.default is None
+    ):
       if p.name not in BY_PARAM:
-        raise TypeError(f"{case.name}: no construction value for required "
-                        f"argument {p.name!r}: add it to catalogue.ARGS")
+        raise TypeError(
+          f"{case.name}: no construction value for required "
+          f"argument {p.name!r}: add it to catalogue.ARGS"
+        )
       kwargs[p.name] = BY_PARAM[p.name]()
   if case.variant:
     if params is None:
@@ -424,7 +466,7 @@ def build(case: Case, params=None, inner=None):
   return made
 
 
-def wrapped_slot(case: Case) -> Optional[str]:
+def wrapped_slot(case: Case) -> str | None:
   """The argument a wrapper takes its rule in, or None if it takes none."""
   if case.rule in ("chain", "named_chain"):
     return "args"
@@ -441,7 +483,8 @@ def _swap_inner(case, kwargs, args, inner):
     return (inner,) if case.rule == "chain" else (("inner", inner),)
   if slot == "inner_factory":
     kwargs[slot] = lambda learning_rate: optax.chain(
-        inner, optax.scale_by_learning_rate(learning_rate))
+      inner, optax.scale_by_learning_rate(learning_rate)
+    )
   elif slot == "transforms":
     kwargs[slot] = {k: inner for k in kwargs[slot]}
   else:
@@ -457,8 +500,11 @@ def _scaled(case: Case) -> bool:
     return False
   names = inspect.signature(case.fn).parameters
   steps = ("learning_rate", "step_size", "step_size_fn", "f")
-  return case.rule.split(".")[-1].startswith("scale_by") or not any(
-      n in names for n in steps) or case.rule in ("scale_by_rprop",)
+  return (
+    case.rule.split(".")[-1].startswith("scale_by")
+    or not any(n in names for n in steps)
+    or case.rule in ("scale_by_rprop",)
+  )
 
 
 def trainable(case: Case, tx):
@@ -478,12 +524,13 @@ def _dtype():
   return jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _model_cached(dtype_name):
   dtype = jnp.dtype(dtype_name)
   chain, params = oracles.mlp(list(SIZES), jax.random.PRNGKey(0))
-  data = oracles.batches(jax.random.PRNGKey(1), STEPS, (BATCH, SIZES[0]),
-                         (BATCH, SIZES[-1]))
+  data = oracles.batches(
+    jax.random.PRNGKey(1), STEPS, (BATCH, SIZES[0]), (BATCH, SIZES[-1])
+  )
   params = jax.tree.map(lambda a: a.astype(dtype), params)
   xs = jnp.stack([x for x, _ in data]).astype(dtype)
   ys = jnp.stack([y for _, y in data]).astype(dtype)
@@ -504,6 +551,7 @@ def _plain_run(loss_fn, tx, params, xs, ys, extras=None):
     updates, s = tx.update(grads, s, p, **kwargs)
     p = optax.apply_updates(p, updates)
     return (p, s), (p, loss)
+
   return lax.scan(step, (params, tx.init(params)), (xs, ys))[1]
 
 
@@ -514,11 +562,16 @@ def _leafwise_run(loss_fn, tx, params, xs, ys):
   def step(carry, batch):
     p, states = carry
     loss, grads = jax.value_and_grad(loss_fn)(p, *batch)
-    out = [tx.update(g, s, w) for g, s, w in zip(
-        treedef.flatten_up_to(grads), states, treedef.flatten_up_to(p))]
+    out = [
+      tx.update(g, s, w)
+      for g, s, w in zip(
+        treedef.flatten_up_to(grads), states, treedef.flatten_up_to(p)
+      )
+    ]
     updates = treedef.unflatten([u for u, _ in out])
     p = optax.apply_updates(p, updates)
     return (p, [s for _, s in out]), (p, loss)
+
   states = [tx.init(leaf) for leaf in leaves]
   return lax.scan(step, (params, states), (xs, ys))[1]
 
@@ -529,33 +582,41 @@ def _shim_run(loss_fn, tx, params, xs, ys):
   def step(carry, batch):
     p, s = carry
     loss, grads = immgrad.value_and_grad(loss_fn, shimmed, mode="current")(
-        p, s, *batch)
+      p, s, *batch
+    )
     updates, s = shimmed.update(grads, s, p)
     p = optax.apply_updates(p, updates)
     return (p, s), (p, loss)
+
   return lax.scan(step, (params, shimmed.init(params)), (xs, ys))[1]
 
 
 def _error(got, want):
   """``(err, finite)``: max |got - want| / max(1, |want|) (inf if ``got`` is
-  not finite), and whether ``want`` (plain training) is finite."""
+  not finite), and whether ``want`` (plain training) is finite.
+  """
   errs, got_ok, want_ok = [], [], []
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     errs.append(jnp.max(jnp.abs(a - b) / jnp.maximum(1.0, jnp.abs(b))))
     got_ok.append(jnp.all(jnp.isfinite(a)))
     want_ok.append(jnp.all(jnp.isfinite(b)))
-  err = jnp.where(jnp.all(jnp.stack(got_ok)), jnp.max(jnp.stack(errs)),
-                  jnp.inf)
+  err = jnp.where(jnp.all(jnp.stack(got_ok)), jnp.max(jnp.stack(errs)), jnp.inf)
   return err, jnp.all(jnp.stack(want_ok))
 
 
 def _extras(loss_fn, p, grads, loss, batch):
   """Every extra argument an EXTRA_ARGS rule may ask for."""
   value_fn = lambda q: loss_fn(q, *batch)
-  per_example = jax.vmap(
-      lambda x, y: jax.grad(loss_fn)(p, x[None], y[None]))(*batch)
-  return dict(value=loss, grad=grads, value_fn=value_fn, obj_fn=value_fn,
-              per_example=per_example)
+  per_example = jax.vmap(lambda x, y: jax.grad(loss_fn)(p, x[None], y[None]))(
+    *batch
+  )
+  return dict(
+    value=loss,
+    grad=grads,
+    value_fn=value_fn,
+    obj_fn=value_fn,
+    per_example=per_example,
+  )
 
 
 def _pick_extras(wanted):
@@ -565,8 +626,8 @@ def _pick_extras(wanted):
       return {"per_example": every["per_example"]}
     if "obj_fn" in wanted:
       return {"obj_fn": every["obj_fn"]}
-    return {k: every[k] for k in ("value", "grad", "value_fn")
-            if k in wanted}
+    return {k: every[k] for k in ("value", "grad", "value_fn") if k in wanted}
+
   return extras
 
 
@@ -588,18 +649,19 @@ def _run_jobs(jobs):
       except _PlainFailed as e:
         failed[key] = {"exc": "plain training failed", "msg": str(e)[:2000]}
       except Exception as e:  # pylint: disable=broad-except
-        failed[key] = {"exc": type(e).__name__, "msg": str(e)[:2000],
-                       "refused": isinstance(e, ValueError)}
+        failed[key] = {
+          "exc": type(e).__name__,
+          "msg": str(e)[:2000],
+          "refused": isinstance(e, ValueError),
+        }
     return out
 
   try:
     out = jax.jit(program)(params, xs, ys)
-    out = {k: {"err": float(e), "finite": bool(f)} for k, (e, f) in
-           out.items()}
+    out = {k: {"err": float(e), "finite": bool(f)} for k, (e, f) in out.items()}
   except Exception as e:  # pylint: disable=broad-except
     if len(jobs) == 1:
-      return {next(iter(jobs)): {"exc": type(e).__name__,
-                                 "msg": str(e)[:2000]}}
+      return {next(iter(jobs)): {"exc": type(e).__name__, "msg": str(e)[:2000]}}
     out = {}
     for key, fn in jobs.items():
       out.update(_run_jobs({key: fn}))
@@ -614,19 +676,21 @@ class _PlainFailed(Exception):
 
 def _against_plain(run, loss_fn, plain_loss, train):
   """A job: ``run`` (shim or leafwise) against plain training."""
+
   def job(p, x, y):
     try:
       want = _plain_run(plain_loss, train, p, x, y)
     except Exception as e:  # pylint: disable=broad-except
       raise _PlainFailed(f"{type(e).__name__}: {e}") from e
     return _error(run(loss_fn, train, p, x, y), want)
+
   return job
 
 
 def _run_all(jobs, chunk):
   keys, out = list(jobs), {}
   for i in range(0, len(keys), chunk):
-    out.update(_run_jobs({k: jobs[k] for k in keys[i:i + chunk]}))
+    out.update(_run_jobs({k: jobs[k] for k in keys[i : i + chunk]}))
   return out
 
 
@@ -645,8 +709,10 @@ def _verdict(tx):
     def one_step(p, x, y):
       s = shimmed.init(p)
       _, grads = immgrad.value_and_grad(loss_fn, shimmed, mode="current")(
-          p, s, x, y)
+        p, s, x, y
+      )
       return shimmed.update(grads, s, p)
+
     jax.eval_shape(one_step, params, xs[0], ys[0])
   except ValueError as e:
     return "refused", str(e)
@@ -663,9 +729,11 @@ def _float32_state(tx, params) -> list:
     state = jax.eval_shape(tx.init, params)
   except Exception:  # pylint: disable=broad-except
     return []
-  return [jax.tree_util.keystr(path) for path, leaf in
-          jax.tree_util.tree_flatten_with_path(state)[0]
-          if getattr(leaf, "dtype", None) == jnp.float32]
+  return [
+    jax.tree_util.keystr(path)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]
+    if getattr(leaf, "dtype", None) == jnp.float32
+  ]
 
 
 def _needs_more(tx, params):
@@ -687,12 +755,14 @@ def _lookahead_run(loss_fn, tx, params, xs, ys):
     updates, s = tx.update(grads, s, p)
     p = optax.apply_updates(p, updates)
     return (p, s), (p, loss)
+
   return lax.scan(step, (params, tx.init(params)), (xs, ys))[1]
 
 
 def _finite(tree):
-  return jnp.zeros(()), jnp.all(jnp.stack(
-      [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+  return jnp.zeros(()), jnp.all(
+    jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)])
+  )
 
 
 def evaluate(cases=None, chunk: int = 8, only_accepted: bool = False):
@@ -714,11 +784,13 @@ def evaluate(cases=None, chunk: int = 8, only_accepted: bool = False):
   immediate_loss = chain.loss_fn(immgrad.immediate_layer)
   results, trained, jobs = {}, {}, {}
   for case in cases:
-    r = results[case.name] = {"rule": case.rule, "wrapper": case.wrapper,
-                              "wraps": bool(case.wrapper and
-                                            wrapped_slot(case)),
-                              "variant": case.variant,
-                              "aliases": list(case.aliases)}
+    r = results[case.name] = {
+      "rule": case.rule,
+      "wrapper": case.wrapper,
+      "wraps": bool(case.wrapper and wrapped_slot(case)),
+      "variant": case.variant,
+      "aliases": list(case.aliases),
+    }
     try:
       tx = build(case, params)
     except Exception as e:  # pylint: disable=broad-except
@@ -734,14 +806,20 @@ def evaluate(cases=None, chunk: int = 8, only_accepted: bool = False):
       r["shim"], r["message"] = _verdict(tx)
       if only_accepted:
         continue
-      run = _lookahead_run if case.rule == "lookahead" else functools.partial(
-          _plain_run, extras=_pick_extras(EXTRA_ARGS[case.rule]))
-      jobs[(case.name, "with_extras")] = (
-          lambda p, x, y, train=train, run=run: _finite(
-              run(plain_loss, train, p, x, y)))
+      run = (
+        _lookahead_run
+        if case.rule == "lookahead"
+        else functools.partial(
+          _plain_run, extras=_pick_extras(EXTRA_ARGS[case.rule])
+        )
+      )
+      jobs[(case.name, "with_extras")] = lambda p, x, y, train=train, run=run: (
+        _finite(run(plain_loss, train, p, x, y))
+      )
     else:  # The shim's verdict comes from tracing this run.
-      jobs[(case.name, "shim")] = _against_plain(_shim_run, immediate_loss,
-                                                 plain_loss, train)
+      jobs[(case.name, "shim")] = _against_plain(
+        _shim_run, immediate_loss, plain_loss, train
+      )
   leafwise = {}
   for (name, run), value in _run_all(jobs, chunk).items():
     r = results[name]
@@ -751,11 +829,15 @@ def evaluate(cases=None, chunk: int = 8, only_accepted: bool = False):
       continue
     if run == "shim" and "exc" in value:
       r["shim"] = "refused" if value["refused"] else "raised"
-      r["message"] = (value["msg"] if r["shim"] == "refused" else
-                      f"{value['exc']}: {value['msg']}")
+      r["message"] = (
+        value["msg"]
+        if r["shim"] == "refused"
+        else f"{value['exc']}: {value['msg']}"
+      )
       if not only_accepted and not r.get("variant"):
         leafwise[(name, "leafwise")] = _against_plain(
-            _leafwise_run, plain_loss, plain_loss, trained[name])
+          _leafwise_run, plain_loss, plain_loss, trained[name]
+        )
       continue
     if run == "shim":
       r["shim"], r["message"] = "accepted", None
@@ -782,11 +864,12 @@ WRONGLY_REFUSED = "refused, though per-parameter"
 
 def classify(results: dict) -> dict:
   """``{case: status}``: a STATUSES entry, SILENT, WRONGLY_REFUSED, or
-  None (undecided)."""
+  None (undecided).
+  """
   return {name: _status(r, results) for name, r in results.items()}
 
 
-def _status(r: dict, results: dict) -> Optional[str]:
+def _status(r: dict, results: dict) -> str | None:
   if "build_error" in r:
     return None
   rule = r["rule"]
@@ -836,14 +919,14 @@ def _why(message: str) -> str:
 
 # Hand-written notes for the table (what a reader needs to know).
 NOTES = {
-    "contrib.scale_by_muon": "rank >= 2 parameters only: tried on the "
-                             "matrices, masked",
-    "chain": "as its parts are",
-    "named_chain": "as its parts are",
+  "contrib.scale_by_muon": "rank >= 2 parameters only: tried on the "
+  "matrices, masked",
+  "chain": "as its parts are",
+  "named_chain": "as its parts are",
 }
 
 
-def note(name: str, r: dict, st: Optional[str]) -> str:
+def note(name: str, r: dict, st: str | None) -> str:
   """The table's note for one case (no numbers: stable across machines)."""
   rule = r["rule"]
   parts = []
@@ -854,12 +937,20 @@ def note(name: str, r: dict, st: Optional[str]) -> str:
   elif r.get("wraps") and not r.get("variant"):
     parts.append("wraps a rule")
   if st == EXTRA:
-    parts.append("update needs " + ", ".join(
-        a if " " in a else f"`{a}`" for a in EXTRA_ARGS[rule]))
-    parts.append("the shim passes none: " + (
-        "refused" if r.get("shim") == "refused" else
-        "raises " + (r.get("message") or "").split(":")[0]
-        if r.get("shim") == "raised" else "accepted"))
+    parts.append(
+      "update needs "
+      + ", ".join(a if " " in a else f"`{a}`" for a in EXTRA_ARGS[rule])
+    )
+    parts.append(
+      "the shim passes none: "
+      + (
+        "refused"
+        if r.get("shim") == "refused"
+        else "raises " + (r.get("message") or "").split(":")[0]
+        if r.get("shim") == "raised"
+        else "accepted"
+      )
+    )
   elif st == WHOLE_TREE:
     parts.append(SEMANTIC.get(rule) or _why(r.get("message") or ""))
   elif st == PER_PARAMETER and r.get("variant"):
@@ -871,12 +962,15 @@ def note(name: str, r: dict, st: Optional[str]) -> str:
 
 
 def display(r: dict) -> str:
-  return f"`optax.{r['rule']}" + (f"({r['variant']}=tree)`"
-                                  if r.get("variant") else "`")
+  return f"`optax.{r['rule']}" + (
+    f"({r['variant']}=tree)`" if r.get("variant") else "`"
+  )
 
 
-README_MARKERS = ("<!-- catalogue table: python tests/catalogue.py --readme -->",
-                  "<!-- end of catalogue table -->")
+README_MARKERS = (
+  "<!-- catalogue table: python tests/catalogue.py --readme -->",
+  "<!-- end of catalogue table -->",
+)
 
 
 def readme_table(results=None) -> str:
@@ -886,9 +980,16 @@ def readme_table(results=None) -> str:
   statuses = classify(results)
   order = STATUSES + (SILENT, WRONGLY_REFUSED, None)
   rows = sorted(
-      (order.index(statuses[name]), r["rule"], r.get("variant") or "",
-       display(r), statuses[name] or "undecided",
-       note(name, r, statuses[name])) for name, r in results.items())
+    (
+      order.index(statuses[name]),
+      r["rule"],
+      r.get("variant") or "",
+      display(r),
+      statuses[name] or "undecided",
+      note(name, r, statuses[name]),
+    )
+    for name, r in results.items()
+  )
   lines = ["| rule | status | note |", "| --- | --- | --- |"]
   lines += [f"| {d} | {st} | {text} |" for _, _, _, d, st, text in rows]
   return "\n".join(lines) + "\n"
@@ -901,30 +1002,40 @@ _FORCED_DEVICES = "--xla_force_host_platform_device_count"
 # The catalogue compiles some 250 small programs and runs each for
 # milliseconds: compile time is all its time, and these halve it on CPU
 # (plain and shim runs are compiled alike, so the comparison is unchanged).
-_FAST_COMPILE = ("--xla_backend_optimization_level=0",
-                 "--xla_llvm_disable_expensive_passes=true",
-                 "--xla_cpu_use_fusion_emitters=false")
+_FAST_COMPILE = (
+  "--xla_backend_optimization_level=0",
+  "--xla_llvm_disable_expensive_passes=true",
+  "--xla_cpu_use_fusion_emitters=false",
+)
 
 
 def subprocess_env(dtype: str) -> dict:
   env = dict(os.environ)
   env["JAX_ENABLE_X64"] = "1" if dtype == "float64" else "0"
-  flags = [f for f in env.get("XLA_FLAGS", "").split()
-           if not f.startswith(_FORCED_DEVICES)]
+  flags = [
+    f
+    for f in env.get("XLA_FLAGS", "").split()
+    if not f.startswith(_FORCED_DEVICES)
+  ]
   env["XLA_FLAGS"] = " ".join(flags + list(_FAST_COMPILE))
   return env
 
 
-def start_subprocess(dtype: str, out: str, only_accepted: bool = False,
-                     only: Optional[str] = None):
+def start_subprocess(
+  dtype: str, out: str, only_accepted: bool = False, only: str | None = None
+):
   cmd = [sys.executable, os.path.abspath(__file__), "--json", out]
   if only_accepted:
     cmd.append("--only-accepted")
   if only:
     cmd += ["--only", only]
-  return subprocess.Popen(cmd, env=subprocess_env(dtype),
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True)
+  return subprocess.Popen(
+    cmd,
+    env=subprocess_env(dtype),
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+  )
 
 
 def finish_subprocess(proc, out: str) -> dict:
@@ -937,26 +1048,38 @@ def finish_subprocess(proc, out: str) -> dict:
 
 def results_in_subprocess(dtype: str, only_accepted: bool = False) -> dict:
   import tempfile  # pylint: disable=g-import-not-at-top
+
   with tempfile.TemporaryDirectory() as tmp:
     out = os.path.join(tmp, "results.json")
-    return finish_subprocess(start_subprocess(dtype, out, only_accepted),
-                             out)["results"]
+    return finish_subprocess(start_subprocess(dtype, out, only_accepted), out)[
+      "results"
+    ]
 
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--readme", action="store_true",
-                      help="print the table of docs/optimizer.md")
-  parser.add_argument("--json", metavar="OUT",
-                      help="write results (this process' dtype) to OUT")
-  parser.add_argument("--only-accepted", action="store_true",
-                      help="with --json: train only the rules the shim "
-                           "accepts")
-  parser.add_argument("--results", metavar="JSON",
-                      help="with --readme: the table of these --json "
-                           "results (float64) instead of a new run")
-  parser.add_argument("--only", metavar="NAMES",
-                      help="comma-separated cases to run (default: all)")
+  parser.add_argument(
+    "--readme", action="store_true", help="print the table of docs/optimizer.md"
+  )
+  parser.add_argument(
+    "--json", metavar="OUT", help="write results (this process' dtype) to OUT"
+  )
+  parser.add_argument(
+    "--only-accepted",
+    action="store_true",
+    help="with --json: train only the rules the shim accepts",
+  )
+  parser.add_argument(
+    "--results",
+    metavar="JSON",
+    help="with --readme: the table of these --json "
+    "results (float64) instead of a new run",
+  )
+  parser.add_argument(
+    "--only",
+    metavar="NAMES",
+    help="comma-separated cases to run (default: all)",
+  )
   args = parser.parse_args(argv)
   if args.json:
     start = time.time()
@@ -965,9 +1088,16 @@ def main(argv=None):
       cases = [c for c in cases if c.name in args.only.split(",")]
     results = evaluate(cases, only_accepted=args.only_accepted)
     with open(args.json, "w") as f:
-      json.dump({"dtype": jnp.dtype(_dtype()).name,
-                 "unclassified": unclassified, "results": results,
-                 "seconds": time.time() - start}, f, indent=1)
+      json.dump(
+        {
+          "dtype": jnp.dtype(_dtype()).name,
+          "unclassified": unclassified,
+          "results": results,
+          "seconds": time.time() - start,
+        },
+        f,
+        indent=1,
+      )
   if args.readme:
     results = None
     if args.results:

@@ -8,8 +8,9 @@ import os
 
 _FLAG = "--xla_force_host_platform_device_count=4"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " +
-                             _FLAG).strip()
+  os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " " + _FLAG
+  ).strip()
 
 # Run as their own processes by test_multiprocess.py and test_orbax.py,
 # never imported here.

@@ -12,8 +12,12 @@ import numpy as np
 
 def conv(x, p):
   y = jax.lax.conv_general_dilated(
-      x, p["w"], window_strides=(1, 1), padding="SAME",
-      dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    x,
+    p["w"],
+    window_strides=(1, 1),
+    padding="SAME",
+    dimension_numbers=("NHWC", "HWIO", "NHWC"),
+  )
   return y + p["b"]
 
 
@@ -33,15 +37,21 @@ def head(x, p):
 def init(key):
   k = jax.random.split(key, 6)
   return {
-      "conv": {"w": jax.random.normal(k[0], (3, 3, 3, 4)) / np.sqrt(27),
-               "b": jnp.full((4,), 0.1)},
-      "mix": {"w": jax.random.normal(k[1], (64, 16)) / 8.0,
-              "v": jax.random.normal(k[2], (5, 16)) / np.sqrt(5)},
-      "norm": {"scale": 1.0 + 0.1 * jax.random.normal(k[3], (16,)),
-               "offset": 0.1 * jax.random.normal(k[4], (16,))},
-      "head": {"w": jax.random.normal(k[5], (16, 3)) / 4.0},
-      "temperature": jnp.array(1.5),
-      "out_bias": jnp.zeros((3,)),
+    "conv": {
+      "w": jax.random.normal(k[0], (3, 3, 3, 4)) / np.sqrt(27),
+      "b": jnp.full((4,), 0.1),
+    },
+    "mix": {
+      "w": jax.random.normal(k[1], (64, 16)) / 8.0,
+      "v": jax.random.normal(k[2], (5, 16)) / np.sqrt(5),
+    },
+    "norm": {
+      "scale": 1.0 + 0.1 * jax.random.normal(k[3], (16,)),
+      "offset": 0.1 * jax.random.normal(k[4], (16,)),
+    },
+    "head": {"w": jax.random.normal(k[5], (16, 3)) / 4.0},
+    "temperature": jnp.array(1.5),
+    "out_bias": jnp.zeros((3,)),
   }
 
 
@@ -62,7 +72,11 @@ def loss_fn(wrap=lambda f: f):
 
 def batches(key, n, batch=8):
   keys = jax.random.split(key, 3 * n)
-  return [(jax.random.normal(keys[3 * i], (batch, 4, 4, 3)),
-           jax.random.normal(keys[3 * i + 1], (batch, 5)),
-           jax.random.normal(keys[3 * i + 2], (batch, 3)))
-          for i in range(n)]
+  return [
+    (
+      jax.random.normal(keys[3 * i], (batch, 4, 4, 3)),
+      jax.random.normal(keys[3 * i + 1], (batch, 5)),
+      jax.random.normal(keys[3 * i + 2], (batch, 3)),
+    )
+    for i in range(n)
+  ]

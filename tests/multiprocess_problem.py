@@ -1,5 +1,6 @@
 """The model, data and optimizer of the multi-process test, shared by the
-worker processes and the single-process reference."""
+worker processes and the single-process reference.
+"""
 
 import jax
 import optax
@@ -22,4 +23,5 @@ def optimizer():
 
 def batches():
   return jax.device_get(
-      oracles.batches(jax.random.PRNGKey(1), 3, (16, 8), (16, 4)))
+    oracles.batches(jax.random.PRNGKey(1), 3, (16, 8), (16, 4))
+  )

@@ -23,15 +23,18 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
-jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2,
-                           process_id=process_id,
-                           initialization_timeout=120)
+jax.distributed.initialize(
+  f"127.0.0.1:{port}",
+  num_processes=2,
+  process_id=process_id,
+  initialization_timeout=120,
+)
 
-import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
-import optax  # pylint: disable=g-import-not-at-top,wrong-import-position
 from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top,wrong-import-position
 from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top,wrong-import-position
 from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top,wrong-import-position
+import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
+import optax  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 import immgrad  # pylint: disable=g-import-not-at-top,wrong-import-position
 
@@ -47,23 +50,24 @@ batch_sharding = NamedSharding(mesh, P("data"))
 def global_batch(x):
   """This process's half of a batch, as one global array on the mesh."""
   half = len(x) // 2
-  local = x[process_id * half:(process_id + 1) * half]
-  return jax.make_array_from_process_local_data(batch_sharding, local,
-                                                x.shape)
+  local = x[process_id * half : (process_id + 1) * half]
+  return jax.make_array_from_process_local_data(batch_sharding, local, x.shape)
 
 
 def put(tree, sharding_of):
   return jax.tree.map(
-      lambda a, s: jax.make_array_from_callback(a.shape, s,
-                                                lambda i: a[i]),
-      tree, sharding_of(tree))
+    lambda a, s: jax.make_array_from_callback(a.shape, s, lambda i: a[i]),
+    tree,
+    sharding_of(tree),
+  )
 
 
 def train(kind):
   tx = immgrad.shim(problem.optimizer())
   axis = "data" if kind == "axis_name" else None
-  grad_fn = immgrad.value_and_grad(problem.loss_fn, tx, mode=problem.MODE,
-                                   axis_name=axis)
+  grad_fn = immgrad.value_and_grad(
+    problem.loss_fn, tx, mode=problem.MODE, axis_name=axis
+  )
 
   def step(params, opt_state, x, y):
     _, grads = grad_fn(params, opt_state, x, y)
@@ -71,29 +75,46 @@ def train(kind):
     return optax.apply_updates(params, updates), opt_state
 
   if kind == "axis_name":
-    step = jax.shard_map(step, mesh=mesh,
-                         in_specs=(P(), P(), P("data"), P("data")),
-                         out_specs=(P(), P()))
+    step = jax.shard_map(
+      step,
+      mesh=mesh,
+      in_specs=(P(), P(), P("data"), P("data")),
+      out_specs=(P(), P()),
+    )
   if kind == "fsdp":
     shardings = lambda t: jax.tree.map(
-        lambda a: NamedSharding(mesh, P("data") if a.ndim == 2 else P()), t)
+      lambda a: NamedSharding(mesh, P("data") if a.ndim == 2 else P()), t
+    )
   else:
     shardings = lambda t: jax.tree.map(lambda a: replicated, t)
   params = put(problem.params(), shardings)
-  opt_state = put(jax.device_get(tx.init(problem.params())),
-                  lambda t: jax.tree.map(
-                      lambda a: NamedSharding(mesh, P("data"))
-                      if kind == "fsdp" and a.ndim == 2 else replicated, t))
+  opt_state = put(
+    jax.device_get(tx.init(problem.params())),
+    lambda t: jax.tree.map(
+      lambda a: (
+        NamedSharding(mesh, P("data"))
+        if kind == "fsdp" and a.ndim == 2
+        else replicated
+      ),
+      t,
+    ),
+  )
   in_shardings = [a.sharding for a in jax.tree.leaves(params)]
   step = jax.jit(step, donate_argnums=(0, 1))
   for x, y in problem.batches():
-    params, opt_state = step(params, opt_state, global_batch(x),
-                             global_batch(y))
-  same = all(a.sharding.is_equivalent_to(s, a.ndim) for a, s in
-             zip(jax.tree.leaves(params), in_shardings))
+    params, opt_state = step(
+      params, opt_state, global_batch(x), global_batch(y)
+    )
+  same = all(
+    a.sharding.is_equivalent_to(s, a.ndim)
+    for a, s in zip(jax.tree.leaves(params), in_shardings)
+  )
   # How each matrix of the new optimizer state is split on its first axis.
-  state_sharded = [str(a.sharding.spec[0]) if len(a.sharding.spec) else ""
-                   for a in jax.tree.leaves(opt_state) if a.ndim == 2]
+  state_sharded = [
+    str(a.sharding.spec[0]) if len(a.sharding.spec) else ""
+    for a in jax.tree.leaves(opt_state)
+    if a.ndim == 2
+  ]
   gathered = multihost_utils.process_allgather(params, tiled=True)
   return gathered, same, state_sharded
 

@@ -29,6 +29,7 @@ class Chain(NamedTuple):
   ``layers[i]`` is an undecorated ``fun(x, params)``; ``names[i]`` its key
   in the params dict; ``acts[i]`` an elementwise activation.
   """
+
   layers: tuple
   names: tuple
   acts: tuple
@@ -42,6 +43,7 @@ class Chain(NamedTuple):
   def loss_fn(self, layer_wrap=lambda f: f):
     def loss_fn(params, x, y):
       return self.loss(self.apply(params, x, layer_wrap), y)
+
     return loss_fn
 
 
@@ -65,8 +67,8 @@ def mlp(sizes, key, act=jax.nn.relu):
     kw, kb = jax.random.split(k)
     names.append(f"layer{i}")
     params[names[-1]] = {
-        "w": jax.random.normal(kw, (a, b)) / np.sqrt(a),
-        "b": 0.1 * jax.random.normal(kb, (b,)),
+      "w": jax.random.normal(kw, (a, b)) / np.sqrt(a),
+      "b": 0.1 * jax.random.normal(kb, (b,)),
     }
   acts = (act,) * (len(names) - 1) + (identity,)
   return Chain((dense,) * len(names), tuple(names), acts, mse), params
@@ -97,7 +99,8 @@ def immediate_steps(loss_fn, opt, params, batches, **kwargs):
   @jax.jit
   def step(params, state, *batch):
     loss, grads = immgrad.value_and_grad(loss_fn, tx, **kwargs)(
-        params, state, *batch)
+      params, state, *batch
+    )
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state, loss
 
@@ -110,8 +113,7 @@ def immediate_steps(loss_fn, opt, params, batches, **kwargs):
   return history, losses
 
 
-def sequential_steps(chain: Chain, opt, params, batches, at=1.0,
-                     measure=False):
+def sequential_steps(chain: Chain, opt, params, batches, at=1.0, measure=False):
   """The hand-written re-linearization reference for ``mode="updated"``.
 
   With ``at``, dX is taken at ``W + at * (W_new - W)`` (``mode=at``). With
@@ -120,7 +122,7 @@ def sequential_steps(chain: Chain, opt, params, batches, at=1.0,
   """
 
   def norm(tree):
-    return jnp.sqrt(sum(jnp.sum(a ** 2) for a in jax.tree.leaves(tree)))
+    return jnp.sqrt(sum(jnp.sum(a**2) for a in jax.tree.leaves(tree)))
 
   @jax.jit
   def step(params, states, x, y):
@@ -138,11 +140,14 @@ def sequential_steps(chain: Chain, opt, params, batches, at=1.0,
       fun, name, act = chain.layers[i], chain.names[i], chain.acts[i]
       _, act_vjp = jax.vjp(act, pre[i])
       (dz,) = act_vjp(dh)
-      _, w_vjp = jax.vjp(lambda w: fun(inputs[i], w), params[name])
+      _, w_vjp = jax.vjp(lambda w, f=fun, x=inputs[i]: f(x, w), params[name])
       (dw,) = w_vjp(dz)
       updates, new_states[name] = opt.update(dw, states[name], params[name])
       new_params[name] = optax.apply_updates(params[name], updates)
-      dx_at = lambda w: jax.vjp(lambda x: fun(x, w), inputs[i])[1](dz)[0]
+
+      def dx_at(w, f=fun, x=inputs[i], dz=dz):
+        return jax.vjp(lambda x: f(x, w), x)[1](dz)[0]
+
       old, new = params[name], new_params[name]
       dh = dx_at(jax.tree.map(lambda o, n: o + at * (n - o), old, new))
       if jnp.issubdtype(inputs[i].dtype, jnp.inexact):
@@ -165,13 +170,20 @@ def sequential_steps(chain: Chain, opt, params, batches, at=1.0,
 
 def batches(key, n, x_shape, y_shape):
   keys = jax.random.split(key, 2 * n)
-  return [(jax.random.normal(keys[2 * i], x_shape),
-           jax.random.normal(keys[2 * i + 1], y_shape)) for i in range(n)]
+  return [
+    (
+      jax.random.normal(keys[2 * i], x_shape),
+      jax.random.normal(keys[2 * i + 1], y_shape),
+    )
+    for i in range(n)
+  ]
 
 
 def max_abs_diff(a, b):
-  return max(float(jnp.max(jnp.abs(x - y)))
-             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+  return max(
+    float(jnp.max(jnp.abs(x - y)))
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+  )
 
 
 def assert_runs_close(got, expected, atol, rtol):
@@ -179,7 +191,7 @@ def assert_runs_close(got, expected, atol, rtol):
   (got_params, got_losses), (expected_params, expected_losses) = got, expected
   assert len(got_params) == len(expected_params)
   for step, (a, b) in enumerate(zip(got_params, expected_params)):
-    chex.assert_trees_all_close(a, b, atol=atol, rtol=rtol,
-                                custom_message=f"after step {step + 1}")
-  chex.assert_trees_all_close(got_losses, expected_losses, atol=atol,
-                              rtol=rtol)
+    chex.assert_trees_all_close(
+      a, b, atol=atol, rtol=rtol, custom_message=f"after step {step + 1}"
+    )
+  chex.assert_trees_all_close(got_losses, expected_losses, atol=atol, rtol=rtol)

@@ -33,19 +33,23 @@ def main(process_id, port, ckpt_dir, out):
   import jax  # pylint: disable=g-import-not-at-top
 
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2,
-                             process_id=process_id,
-                             initialization_timeout=120)
+  jax.distributed.initialize(
+    f"127.0.0.1:{port}",
+    num_processes=2,
+    process_id=process_id,
+    initialization_timeout=120,
+  )
 
   # pylint: disable=g-import-not-at-top
-  import numpy as np
-  import optax
-  import orbax.checkpoint as ocp
   from jax.experimental import multihost_utils
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
+  import numpy as np
+  import optax
+  import orbax.checkpoint as ocp
 
   import immgrad
+
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   import multiprocess_problem as problem
   # pylint: enable=g-import-not-at-top
@@ -60,28 +64,37 @@ def main(process_id, port, ckpt_dir, out):
   def put(tree):
     """FSDP global arrays: each process builds only its own shards."""
     return jax.tree.map(
-        lambda a: jax.make_array_from_callback(
-            a.shape, NamedSharding(mesh, P("data") if a.ndim == 2 else P()),
-            lambda i: a[i]), tree)
+      lambda a: jax.make_array_from_callback(
+        a.shape,
+        NamedSharding(mesh, P("data") if a.ndim == 2 else P()),
+        lambda i: a[i],
+      ),
+      tree,
+    )
 
   def global_batch(x):
     """This process's half of a batch, as one global array on the mesh."""
     half = len(x) // 2
-    local = x[process_id * half:(process_id + 1) * half]
-    return jax.make_array_from_process_local_data(batch_sharding, local,
-                                                  x.shape)
+    local = x[process_id * half : (process_id + 1) * half]
+    return jax.make_array_from_process_local_data(
+      batch_sharding, local, x.shape
+    )
 
   def fresh():
     """Initial params and shim state, FSDP-sharded."""
-    return {"params": put(problem.params()),
-            "opt_state": put(jax.device_get(tx.init(problem.params())))}
+    return {
+      "params": put(problem.params()),
+      "opt_state": put(jax.device_get(tx.init(problem.params()))),
+    }
 
   def step(tree, x, y):
     params, opt_state = tree["params"], tree["opt_state"]
     _, grads = grad_fn(params, opt_state, x, y)
     updates, opt_state = tx.update(grads, opt_state, params)
-    return {"params": optax.apply_updates(params, updates),
-            "opt_state": opt_state}
+    return {
+      "params": optax.apply_updates(params, updates),
+      "opt_state": opt_state,
+    }
 
   step = jax.jit(step, donate_argnums=0)
 
@@ -98,15 +111,18 @@ def main(process_id, port, ckpt_dir, out):
     for path, leaf in jax.tree_util.tree_flatten_with_path(gathered)[0]:
       results[name + jax.tree_util.keystr(path)] = np.asarray(leaf)
     leaves = jax.tree.leaves(tree)
-    results[name + ":specs"] = np.asarray([str(a.sharding.spec)
-                                           for a in leaves])
+    results[name + ":specs"] = np.asarray(
+      [str(a.sharding.spec) for a in leaves]
+    )
     # Of each array's 4 shards, this process holds 2.
     results[name + ":local_shards"] = np.asarray(
-        [len(a.addressable_shards) for a in leaves])
+      [len(a.addressable_shards) for a in leaves]
+    )
 
   batches = problem.batches()
-  options = ocp.CheckpointManagerOptions(max_to_keep=1,
-                                         enable_async_checkpointing=True)
+  options = ocp.CheckpointManagerOptions(
+    max_to_keep=1, enable_async_checkpointing=True
+  )
   record("straight", run(fresh(), batches))
 
   tree = run(fresh(), batches[:SAVE_AT])
@@ -124,8 +140,9 @@ def main(process_id, port, ckpt_dir, out):
   template = fresh()  # Only its structure, shapes, dtypes and shardings.
   abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
   assert mngr.latest_step() == SAVE_AT, mngr.latest_step()
-  restored = mngr.restore(mngr.latest_step(),
-                          args=ocp.args.StandardRestore(abstract))
+  restored = mngr.restore(
+    mngr.latest_step(), args=ocp.args.StandardRestore(abstract)
+  )
   mngr.close()
   assert jax.tree.structure(restored) == jax.tree.structure(template)
   assert isinstance(restored["opt_state"], immgrad.ShimState)

@@ -17,9 +17,13 @@ def poison(h, flag):
   return h
 
 
-poison.defvjp(lambda h, flag: (h, flag),
-              lambda flag, ct: (jnp.where(flag > 0, jnp.nan, 1.0) * ct,
-                                jnp.zeros_like(flag)))
+poison.defvjp(
+  lambda h, flag: (h, flag),
+  lambda flag, ct: (
+    jnp.where(flag > 0, jnp.nan, 1.0) * ct,
+    jnp.zeros_like(flag),
+  ),
+)
 
 
 def _setup():
@@ -32,17 +36,22 @@ def _setup():
     h = jax.nn.relu(layer(h, params["layer2"]))
     return jnp.mean((layer(h, params["layer3"]) - y) ** 2)
 
-  return loss_fn, params, oracles.batches(jax.random.PRNGKey(1), 2, (8, 6),
-                                          (8, 3))
+  return (
+    loss_fn,
+    params,
+    oracles.batches(jax.random.PRNGKey(1), 2, (8, 6), (8, 3)),
+  )
 
 
 def _step_fn(loss_fn, tx, mode):
   @jax.jit
   def step(params, state, x, y, flag):
     _, grads = immgrad.value_and_grad(loss_fn, tx, mode=mode)(
-        params, state, x, y, flag)
+      params, state, x, y, flag
+    )
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
+
   return step
 
 
@@ -52,8 +61,9 @@ def test_nan_in_a_middle_layer_rejects_the_whole_step(mode):
   tx = immgrad.shim(optax.adam(1e-2))
   step = _step_fn(loss_fn, tx, mode)
   state = tx.init(params)
-  params = jax.tree.map(lambda p: p.at[0].set(-0.0) if p.ndim == 1 else p,
-                        params)  # A -0.0 must survive too.
+  params = jax.tree.map(
+    lambda p: p.at[0].set(-0.0) if p.ndim == 1 else p, params
+  )  # A -0.0 must survive too.
 
   poisoned_params, poisoned_state = step(params, state, *data[0], 1.0)
   chex.assert_trees_all_equal(poisoned_params, params)  # Bit for bit.
@@ -74,8 +84,9 @@ def test_without_atomic_the_step_is_half_applied():
   """What atomic=True prevents: later layers stepped, earlier ones NaN."""
   loss_fn, params, data = _setup()
   tx = immgrad.shim(optax.adam(1e-2), atomic=False)
-  new, state = _step_fn(loss_fn, tx, "updated")(params, tx.init(params),
-                                                 *data[0], 1.0)
+  new, state = _step_fn(loss_fn, tx, "updated")(
+    params, tx.init(params), *data[0], 1.0
+  )
   assert jnp.all(jnp.isfinite(new["layer3"]["w"]))
   assert not jnp.array_equal(new["layer3"]["w"], params["layer3"]["w"])
   assert jnp.all(jnp.isnan(new["layer1"]["w"]))
@@ -94,15 +105,22 @@ def test_nan_in_one_scanned_layer_rejects_the_whole_step(mode):
   """Stacked layers commit layer by layer, in place: all or none of them."""
   _, params = oracles.mlp([6, 6, 6, 6, 3], jax.random.PRNGKey(0))
   layer = immgrad.immediate_layer(oracles.dense)
-  params = {"blocks": jax.tree.map(lambda *a: jnp.stack(a), params["layer0"],
-                                   params["layer1"], params["layer2"]),
-            "head": params["layer3"]}
+  params = {
+    "blocks": jax.tree.map(
+      lambda *a: jnp.stack(a),
+      params["layer0"],
+      params["layer1"],
+      params["layer2"],
+    ),
+    "head": params["layer3"],
+  }
 
   def loss_fn(params, x, y, flag):
     def body(h, xs):
       p, i = xs
       h = jax.nn.relu(layer(h, p))
       return jnp.where(i == 1, poison(h, flag), h), None  # Layer 1 only.
+
     h, _ = immgrad.scan(body, x, (params["blocks"], jnp.arange(3)))
     return jnp.mean((layer(h, params["head"]) - y) ** 2)
 
@@ -113,8 +131,9 @@ def test_nan_in_one_scanned_layer_rejects_the_whole_step(mode):
   _check_rejected(*step(params, state, x, y, 1.0), params, state)
   clean, _ = step(params, state, x, y, 0.0)
   for i in range(3):  # Clean, every layer of the stack moves.
-    assert not jnp.array_equal(clean["blocks"]["w"][i],
-                               params["blocks"]["w"][i])
+    assert not jnp.array_equal(
+      clean["blocks"]["w"][i], params["blocks"]["w"][i]
+    )
 
 
 def test_non_finite_new_state_from_finite_gradients_is_rejected():
@@ -155,7 +174,8 @@ def test_non_finite_ordinary_gradient_rejects_the_whole_step():
 
 def test_an_unchecked_step_is_checked_by_an_atomic_shim():
   """Gradients from a value_and_grad whose shim was not atomic carry no
-  finiteness flag; an atomic shim then checks them itself."""
+  finiteness flag; an atomic shim then checks them itself.
+  """
   loss_fn, params, data = _setup()
   loose = immgrad.shim(optax.adam(1e-2), atomic=False)
   tx = immgrad.shim(optax.adam(1e-2))
@@ -163,10 +183,13 @@ def test_an_unchecked_step_is_checked_by_an_atomic_shim():
 
   @jax.jit
   def step(params, state, x, y, flag):
-    _, grads = immgrad.value_and_grad(loss_fn, loose)(params, state, x, y,
-                                                      flag)
-    assert all(g.nonfinite is None for g in jax.tree.leaves(
-        grads, is_leaf=lambda g: isinstance(g, immgrad.ImmediateGrad)))
+    _, grads = immgrad.value_and_grad(loss_fn, loose)(params, state, x, y, flag)
+    assert all(
+      g.nonfinite is None
+      for g in jax.tree.leaves(
+        grads, is_leaf=lambda g: isinstance(g, immgrad.ImmediateGrad)
+      )
+    )
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 

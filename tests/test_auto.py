@@ -32,8 +32,8 @@ ATOL, RTOL = 1e-6, 1e-5
 STEPS = 5
 
 OPTIMIZERS = {
-    "sgd": lambda: optax.sgd(0.05),
-    "adam": lambda: optax.adam(1e-2),
+  "sgd": lambda: optax.sgd(0.05),
+  "adam": lambda: optax.adam(1e-2),
 }
 
 
@@ -57,16 +57,19 @@ def _mlp():
 def _attention():
   d, heads, k = 8, 2, 4
   keys = jax.random.split(jax.random.PRNGKey(0), 4)
-  params = {"ln": {"scale": jnp.ones(d), "bias": jnp.zeros(d)},
-            "wq": _normal(keys[0], (d, heads, k)),
-            "wk": _normal(keys[1], (d, heads, k)),
-            "wv": _normal(keys[2], (d, heads, k)),
-            "wo": _normal(keys[3], (heads, k, d), 1 / np.sqrt(heads * k))}
+  params = {
+    "ln": {"scale": jnp.ones(d), "bias": jnp.zeros(d)},
+    "wq": _normal(keys[0], (d, heads, k)),
+    "wk": _normal(keys[1], (d, heads, k)),
+    "wv": _normal(keys[2], (d, heads, k)),
+    "wo": _normal(keys[3], (heads, k, d), 1 / np.sqrt(heads * k)),
+  }
 
   def model(p, x):
     mean = x.mean(-1, keepdims=True)
-    normed = (x - mean) * lax.rsqrt(((x - mean) ** 2).mean(-1, keepdims=True)
-                                    + 1e-6)
+    normed = (x - mean) * lax.rsqrt(
+      ((x - mean) ** 2).mean(-1, keepdims=True) + 1e-6
+    )
     h = normed * p["ln"]["scale"] + p["ln"]["bias"]
     q = jnp.einsum("btd,dhk->bhtk", h, p["wq"])
     kk = jnp.einsum("btd,dhk->bhtk", h, p["wk"])
@@ -82,8 +85,11 @@ def _attention():
 
 def _gated_mlp():
   keys = jax.random.split(jax.random.PRNGKey(0), 3)
-  params = {"w1": _normal(keys[0], (6, 12)), "w2": _normal(keys[1], (6, 12)),
-            "w3": _normal(keys[2], (12, 3))}
+  params = {
+    "w1": _normal(keys[0], (6, 12)),
+    "w2": _normal(keys[1], (6, 12)),
+    "w3": _normal(keys[2], (12, 3)),
+  }
 
   def model(p, x):
     return (jax.nn.silu(x @ p["w1"]) * (x @ p["w2"])) @ p["w3"]
@@ -113,13 +119,17 @@ def _ws_dense(x, p):
 def _custom_chain():
   """A low-rank layer, a learnt scale, a weight-standardised dense layer."""
   keys = jax.random.split(jax.random.PRNGKey(0), 3)
-  params = {"lowrank": {"A": _normal(keys[0], (6, 3)),
-                        "B": _normal(keys[1], (3, 16))},
-            "scale": {"g": jnp.linspace(0.5, 1.5, 16)},
-            "ws": {"w": _normal(keys[2], (16, 3))}}
-  chain = oracles.Chain((_lowrank, _scale, _ws_dense),
-                        ("lowrank", "scale", "ws"),
-                        (jnp.tanh, oracles.identity, oracles.identity), _mse)
+  params = {
+    "lowrank": {"A": _normal(keys[0], (6, 3)), "B": _normal(keys[1], (3, 16))},
+    "scale": {"g": jnp.linspace(0.5, 1.5, 16)},
+    "ws": {"w": _normal(keys[2], (16, 3))},
+  }
+  chain = oracles.Chain(
+    (_lowrank, _scale, _ws_dense),
+    ("lowrank", "scale", "ws"),
+    (jnp.tanh, oracles.identity, oracles.identity),
+    _mse,
+  )
   return chain, params
 
 
@@ -130,14 +140,19 @@ def _lowrank_model():
 
 def _ws_conv():
   keys = jax.random.split(jax.random.PRNGKey(0), 2)
-  params = {"conv": {"w": _normal(keys[0], (3, 3, 2, 4), 0.3),
-                     "b": jnp.zeros(4)},
-            "out": {"w": _normal(keys[1], (4, 3))}}
+  params = {
+    "conv": {"w": _normal(keys[0], (3, 3, 2, 4), 0.3), "b": jnp.zeros(4)},
+    "out": {"w": _normal(keys[1], (4, 3))},
+  }
 
   def model(p, x):
-    h = lax.conv_general_dilated(x, _standardised(p["conv"]["w"]), (1, 1),
-                                 "SAME",
-                                 dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    h = lax.conv_general_dilated(
+      x,
+      _standardised(p["conv"]["w"]),
+      (1, 1),
+      "SAME",
+      dimension_numbers=("NHWC", "HWIO", "NHWC"),
+    )
     h = jax.nn.relu(h + p["conv"]["b"])
     return h.mean((1, 2)) @ p["out"]["w"]
 
@@ -147,8 +162,10 @@ def _ws_conv():
 def _tied_lm():
   vocab, d = 11, 8
   keys = jax.random.split(jax.random.PRNGKey(0), 2)
-  params = {"embed": _normal(keys[0], (vocab, d), 1.0),
-            "mlp": {"w": _normal(keys[1], (d, d)), "b": jnp.zeros(d)}}
+  params = {
+    "embed": _normal(keys[0], (vocab, d), 1.0),
+    "mlp": {"w": _normal(keys[1], (d, d)), "b": jnp.zeros(d)},
+  }
 
   def model(p, tokens):
     h = p["embed"][tokens]
@@ -159,50 +176,62 @@ def _tied_lm():
 
 
 MODELS = {
-    "mlp": (_mlp, None),
-    "attention": (_attention, None),
-    "gated_mlp": (_gated_mlp, None),
-    "lowrank_scale_ws": (_lowrank_model, None),
-    "ws_conv": (_ws_conv, None),
-    # The tied embedding reaches two layers: it keeps an ordinary gradient.
-    "tied_lm": (_tied_lm, {"['embed']"}),
+  "mlp": (_mlp, None),
+  "attention": (_attention, None),
+  "gated_mlp": (_gated_mlp, None),
+  "lowrank_scale_ws": (_lowrank_model, None),
+  "ws_conv": (_ws_conv, None),
+  # The tied embedding reaches two layers: it keeps an ordinary gradient.
+  "tied_lm": (_tied_lm, {"['embed']"}),
 }
 
 
 def _loss_fn(model, lm):
   if lm:
+
     def loss_fn(params, tokens):
       logits = model(params, tokens[:, :-1])
       return optax.softmax_cross_entropy_with_integer_labels(
-          logits, tokens[:, 1:]).mean()
+        logits, tokens[:, 1:]
+      ).mean()
   else:
+
     def loss_fn(params, x, y):
       return _mse(model(params, x), y)
+
   return loss_fn
 
 
 def _data(x_shape, y_shape, vocab=11):
   if y_shape is None:  # Token ids, one sequence longer than the logits.
     keys = jax.random.split(jax.random.PRNGKey(1), STEPS)
-    return [(jax.random.randint(k, (x_shape[0], x_shape[1] + 1), 0, vocab),)
-            for k in keys]
+    return [
+      (jax.random.randint(k, (x_shape[0], x_shape[1] + 1), 0, vocab),)
+      for k in keys
+    ]
   return oracles.batches(jax.random.PRNGKey(1), STEPS, x_shape, y_shape)
 
 
 def _paths(tree):
-  return [jax.tree_util.keystr(k)
-          for k, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+  return [
+    jax.tree_util.keystr(k)
+    for k, _ in jax.tree_util.tree_flatten_with_path(tree)[0]
+  ]
 
 
 def _stepped_immediately(loss_fn, params, batch, mode="current"):
   """The paths of the leaves one step stepped in its backward pass."""
   tx = immgrad.shim(optax.sgd(0.1))
   _, grads = jax.jit(immgrad.value_and_grad(loss_fn, tx, mode=mode))(
-      params, tx.init(params), *batch)
+    params, tx.init(params), *batch
+  )
   is_leaf = lambda g: isinstance(g, (immgrad.ImmediateGrad, immgrad.Stepped))
   keyed = jax.tree_util.tree_flatten_with_path(grads, is_leaf=is_leaf)[0]
-  return {jax.tree_util.keystr(k) for k, g in keyed
-          if isinstance(g, immgrad.ImmediateGrad)}
+  return {
+    jax.tree_util.keystr(k)
+    for k, g in keyed
+    if isinstance(g, immgrad.ImmediateGrad)
+  }
 
 
 @pytest.mark.parametrize("opt", list(OPTIMIZERS))
@@ -215,10 +244,12 @@ def test_current_equals_plain_training(name, opt):
   auto_loss = immgrad.immediate(loss_fn)
   expected_immediate = set(_paths(params)) - (ordinary or set())
   assert _stepped_immediately(auto_loss, params, data[0]) == (
-      expected_immediate)
+    expected_immediate
+  )
   expected = oracles.plain_steps(loss_fn, OPTIMIZERS[opt](), params, data)
-  got = oracles.immediate_steps(auto_loss, OPTIMIZERS[opt](), params, data,
-                                mode="current")
+  got = oracles.immediate_steps(
+    auto_loss, OPTIMIZERS[opt](), params, data, mode="current"
+  )
   oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
 
 
@@ -235,28 +266,34 @@ def test_l2_term_leaves_those_parameters_ordinary():
   for path in _paths(params):
     assert (table[path].layer is None) == path.endswith("['w']"), table
   assert _stepped_immediately(auto_loss, params, data[0]) == {
-      p for p in _paths(params) if p.endswith("['b']")}
+    p for p in _paths(params) if p.endswith("['b']")
+  }
   for opt in OPTIMIZERS.values():
     expected = oracles.plain_steps(loss_fn, opt(), params, data)
-    got = oracles.immediate_steps(auto_loss, opt(), params, data,
-                                  mode="current")
+    got = oracles.immediate_steps(
+      auto_loss, opt(), params, data, mode="current"
+    )
     oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
 
 
 @pytest.mark.parametrize("opt", list(OPTIMIZERS))
-@pytest.mark.parametrize("make", [
-    lambda: oracles.mlp([6, 16, 16, 3], jax.random.PRNGKey(0)),
-    _custom_chain], ids=["mlp", "lowrank_scale_ws"])
+@pytest.mark.parametrize(
+  "make",
+  [lambda: oracles.mlp([6, 16, 16, 3], jax.random.PRNGKey(0)), _custom_chain],
+  ids=["mlp", "lowrank_scale_ws"],
+)
 def test_updated_equals_sequential_relinearization(make, opt):
   chain, params = make()
   data = oracles.batches(jax.random.PRNGKey(1), STEPS, (8, 6), (8, 3))
   loss_fn = immgrad.immediate(chain.loss_fn())
   expected = oracles.sequential_steps(chain, OPTIMIZERS[opt](), params, data)
-  got = oracles.immediate_steps(loss_fn, OPTIMIZERS[opt](), params, data,
-                                mode="updated")
+  got = oracles.immediate_steps(
+    loss_fn, OPTIMIZERS[opt](), params, data, mode="updated"
+  )
   oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
-  current = oracles.immediate_steps(loss_fn, OPTIMIZERS[opt](), params, data,
-                                    mode="current")
+  current = oracles.immediate_steps(
+    loss_fn, OPTIMIZERS[opt](), params, data, mode="current"
+  )
   assert oracles.max_abs_diff(got[0][-1], current[0][-1]) > 1e-3
 
 
@@ -283,7 +320,9 @@ def _lm_loss(apply):
   def loss_fn(params, tokens):
     logits = apply(params, tokens[:, :-1])
     return optax.softmax_cross_entropy_with_integer_labels(
-        logits, tokens[:, 1:]).mean()
+      logits, tokens[:, 1:]
+    ).mean()
+
   return loss_fn
 
 
@@ -293,8 +332,8 @@ def _haiku_forward(norm):
   def forward(tokens):
     h = hk.Embed(VOCAB, D)(tokens)
     h = h + hk.MultiHeadAttention(
-        2, 4, w_init=hk.initializers.VarianceScaling(1.0),
-        with_bias=False)(h, h, h)
+      2, 4, w_init=hk.initializers.VarianceScaling(1.0), with_bias=False
+    )(h, h, h)
     if norm:
       h = hk.LayerNorm(-1, True, True)(h)
     h = h + hk.nets.MLP([16, D])(h)
@@ -303,26 +342,28 @@ def _haiku_forward(norm):
   return forward
 
 
-@pytest.mark.parametrize("norm,mode", [(False, "current"), (False, "updated"),
-                                       (True, "current")])
+@pytest.mark.parametrize(
+  "norm,mode", [(False, "current"), (False, "updated"), (True, "current")]
+)
 @pytest.mark.parametrize("opt", list(OPTIMIZERS))
 def test_haiku_model_equals_the_adapter(opt, norm, mode):
   import haiku as hk  # pylint: disable=g-import-not-at-top
+
   import immgrad.haiku  # pylint: disable=g-import-not-at-top,unused-import
+
   forward = _haiku_forward(norm)
   model = hk.without_apply_rng(hk.transform(forward))
-  adapted = hk.without_apply_rng(hk.transform(immgrad.haiku.immediate(
-      forward)))
+  adapted = hk.without_apply_rng(hk.transform(immgrad.haiku.immediate(forward)))
   data = _token_data()
   params = model.init(jax.random.PRNGKey(0), data[0][0][:, :-1])
   auto_loss = _lm_loss(immgrad.immediate(model.apply))
-  assert _stepped_immediately(auto_loss, params, data[0]) == set(
-      _paths(params))
-  got = oracles.immediate_steps(auto_loss, OPTIMIZERS[opt](), params, data,
-                                mode=mode)
-  expected = oracles.immediate_steps(_lm_loss(adapted.apply),
-                                     OPTIMIZERS[opt](), params, data,
-                                     mode=mode)
+  assert _stepped_immediately(auto_loss, params, data[0]) == set(_paths(params))
+  got = oracles.immediate_steps(
+    auto_loss, OPTIMIZERS[opt](), params, data, mode=mode
+  )
+  expected = oracles.immediate_steps(
+    _lm_loss(adapted.apply), OPTIMIZERS[opt](), params, data, mode=mode
+  )
   oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
 
 
@@ -330,11 +371,11 @@ def _nnx_lm():
   nnx = pytest.importorskip("flax.nnx")
 
   class LM(nnx.Module):
-
     def __init__(self, rngs):
       self.embed = nnx.Embed(VOCAB, D, rngs=rngs)
-      self.attention = nnx.MultiHeadAttention(2, D, use_bias=False,
-                                              decode=False, rngs=rngs)
+      self.attention = nnx.MultiHeadAttention(
+        2, D, use_bias=False, decode=False, rngs=rngs
+      )
       self.up = nnx.Linear(D, 2 * D, rngs=rngs)
       self.down = nnx.Linear(2 * D, D, rngs=rngs)
       self.head = nnx.Linear(D, VOCAB, rngs=rngs)
@@ -353,12 +394,12 @@ def _linen_lm(data):
   nn = pytest.importorskip("flax.linen")
 
   class LM(nn.Module):
-
     @nn.compact
     def __call__(self, tokens):
       h = nn.Embed(VOCAB, D)(tokens)
       h = h + nn.MultiHeadDotProductAttention(num_heads=2, use_bias=False)(
-          h, mask=nn.make_causal_mask(tokens))
+        h, mask=nn.make_causal_mask(tokens)
+      )
       h = h + nn.Dense(D)(nn.gelu(nn.Dense(2 * D)(h)))
       return nn.Dense(VOCAB)(h)
 
@@ -371,45 +412,58 @@ def _linen_lm(data):
 @pytest.mark.parametrize("api", ["nnx", "linen"])
 def test_flax_model_equals_the_adapter(api, mode):
   pytest.importorskip(
-      "flax", reason="the flax extra (flax 0.12.8 needs jax >= 0.10)")
+    "flax", reason="the flax extra (flax 0.12.8 needs jax >= 0.10)"
+  )
   import immgrad.flax  # pylint: disable=g-import-not-at-top,unused-import
+
   data = _token_data()
   apply, params = _nnx_lm() if api == "nnx" else _linen_lm(data)
   loss_fn = _lm_loss(apply)
   auto_loss = immgrad.immediate(loss_fn)
-  assert _stepped_immediately(auto_loss, params, data[0]) == set(
-      _paths(params))
-  got = oracles.immediate_steps(auto_loss, OPTIMIZERS["adam"](), params,
-                                data, mode=mode)
-  expected = oracles.immediate_steps(immgrad.flax.immediate(loss_fn),
-                                     OPTIMIZERS["adam"](), params, data,
-                                     mode=mode)
+  assert _stepped_immediately(auto_loss, params, data[0]) == set(_paths(params))
+  got = oracles.immediate_steps(
+    auto_loss, OPTIMIZERS["adam"](), params, data, mode=mode
+  )
+  expected = oracles.immediate_steps(
+    immgrad.flax.immediate(loss_fn),
+    OPTIMIZERS["adam"](),
+    params,
+    data,
+    mode=mode,
+  )
   oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
-
 
 
 @pytest.mark.parametrize("mode", ["current", "updated"])
 def test_equinox_model_under_vmap_equals_the_adapter(mode):
   """A per-example Equinox MLP, vmapped inside the function."""
   eqx = pytest.importorskip(
-      "equinox", reason="the equinox extra (equinox 0.13.8 refuses jax 0.7)")
+    "equinox", reason="the equinox extra (equinox 0.13.8 refuses jax 0.7)"
+  )
   import immgrad.equinox  # pylint: disable=g-import-not-at-top,unused-import
+
   params, static = eqx.partition(
-      eqx.nn.MLP(4, 2, 8, 2, key=jax.random.PRNGKey(0)), eqx.is_array)
+    eqx.nn.MLP(4, 2, 8, 2, key=jax.random.PRNGKey(0)), eqx.is_array
+  )
 
   def loss_fn(params, x, y):
     return _mse(jax.vmap(eqx.combine(params, static))(x), y)
 
   data = oracles.batches(jax.random.PRNGKey(1), STEPS, (8, 4), (8, 2))
   auto_loss = immgrad.immediate(loss_fn)
-  assert _stepped_immediately(auto_loss, params, data[0]) == set(
-      _paths(params))
-  got = oracles.immediate_steps(auto_loss, OPTIMIZERS["adam"](), params,
-                                data, mode=mode)
-  expected = oracles.immediate_steps(immgrad.equinox.immediate(loss_fn),
-                                     OPTIMIZERS["adam"](), params, data,
-                                     mode=mode)
+  assert _stepped_immediately(auto_loss, params, data[0]) == set(_paths(params))
+  got = oracles.immediate_steps(
+    auto_loss, OPTIMIZERS["adam"](), params, data, mode=mode
+  )
+  expected = oracles.immediate_steps(
+    immgrad.equinox.immediate(loss_fn),
+    OPTIMIZERS["adam"](),
+    params,
+    data,
+    mode=mode,
+  )
   oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
+
 
 # What immgrad.immediate refuses, reports, or leaves alone.
 
@@ -429,12 +483,12 @@ def _in_while(p, x):
 
 def _line_of(fun, text):
   import inspect  # pylint: disable=g-import-not-at-top
+
   lines, first = inspect.getsourcelines(fun)
-  return first + next(i for i, l in enumerate(lines) if text in l)
+  return first + next(i for i, line in enumerate(lines) if text in line)
 
 
-@pytest.mark.parametrize("fun,prim", [(_in_cond, "cond"),
-                                      (_in_while, "while")])
+@pytest.mark.parametrize("fun,prim", [(_in_cond, "cond"), (_in_while, "while")])
 def test_parameters_in_branches_and_loops_are_refused(fun, prim):
   where = rf"test_auto.py:{_line_of(fun, 'lax.')}:\d+ \({fun.__name__}\)"
   message = rf"parameter \[.w.\] meets activations inside `{prim}` \(.*{where}"
@@ -448,25 +502,35 @@ def test_parameters_in_branches_and_loops_are_refused(fun, prim):
 def _stacked_problem():
   """Three dense layers stacked under lax.scan, then an output layer."""
   keys = jax.random.split(jax.random.PRNGKey(0), 3)
-  params = {"stack": {"w": _normal(keys[0], (3, 8, 8), 1 / np.sqrt(8)),
-                      "b": 0.1 * jax.random.normal(keys[1], (3, 8))},
-            "out": {"w": _normal(keys[2], (8, 2))}}
+  params = {
+    "stack": {
+      "w": _normal(keys[0], (3, 8, 8), 1 / np.sqrt(8)),
+      "b": 0.1 * jax.random.normal(keys[1], (3, 8)),
+    },
+    "out": {"w": _normal(keys[2], (8, 2))},
+  }
 
   def loss_fn(p, x, y):
-    h, _ = lax.scan(lambda h, layer: (jnp.tanh(oracles.dense(h, layer)),
-                                      None), x, p["stack"])
+    h, _ = lax.scan(
+      lambda h, layer: (jnp.tanh(oracles.dense(h, layer)), None), x, p["stack"]
+    )
     return _mse(h @ p["out"]["w"], y)
 
   # The same model unrolled, for the hand-written re-linearization.
-  chain = oracles.Chain((oracles.dense,) * 3 + (lambda x, p: x @ p["w"],),
-                        ("l0", "l1", "l2", "out"),
-                        (jnp.tanh,) * 3 + (oracles.identity,), _mse)
+  chain = oracles.Chain(
+    (oracles.dense,) * 3 + (lambda x, p: x @ p["w"],),
+    ("l0", "l1", "l2", "out"),
+    (jnp.tanh,) * 3 + (oracles.identity,),
+    _mse,
+  )
   return loss_fn, params, chain
 
 
 def _unstacked(params):
-  layers = {f"l{i}": jax.tree.map(lambda a, i=i: a[i], params["stack"])
-            for i in range(3)}
+  layers = {
+    f"l{i}": jax.tree.map(lambda a, i=i: a[i], params["stack"])
+    for i in range(3)
+  }
   return {**layers, "out": params["out"]}
 
 
@@ -477,23 +541,29 @@ def test_scan_over_stacked_parameters(opt):
   data = oracles.batches(jax.random.PRNGKey(1), STEPS, (4, 8), (4, 2))
   auto_loss = immgrad.immediate(loss_fn)
   table = immgrad.layers(loss_fn, params, *data[0])
-  assert table["['stack']['w']"].layer == "dot_general -> float32[4,8] in `scan`"
-  assert _stepped_immediately(auto_loss, params, data[0]) == set(
-      _paths(params))
+  assert (
+    table["['stack']['w']"].layer == "dot_general -> float32[4,8] in `scan`"
+  )
+  assert _stepped_immediately(auto_loss, params, data[0]) == set(_paths(params))
   expected = oracles.plain_steps(loss_fn, OPTIMIZERS[opt](), params, data)
-  got = oracles.immediate_steps(auto_loss, OPTIMIZERS[opt](), params, data,
-                                mode="current")
+  got = oracles.immediate_steps(
+    auto_loss, OPTIMIZERS[opt](), params, data, mode="current"
+  )
   oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
-  expected = oracles.sequential_steps(chain, OPTIMIZERS[opt](),
-                                      _unstacked(params), data)
-  got = oracles.immediate_steps(auto_loss, OPTIMIZERS[opt](), params, data,
-                                mode="updated")
-  oracles.assert_runs_close(([_unstacked(p) for p in got[0]], got[1]),
-                            expected, atol=ATOL, rtol=RTOL)
+  expected = oracles.sequential_steps(
+    chain, OPTIMIZERS[opt](), _unstacked(params), data
+  )
+  got = oracles.immediate_steps(
+    auto_loss, OPTIMIZERS[opt](), params, data, mode="updated"
+  )
+  oracles.assert_runs_close(
+    ([_unstacked(p) for p in got[0]], got[1]), expected, atol=ATOL, rtol=RTOL
+  )
 
 
 def test_haiku_layer_stack_equals_the_adapter():
   import haiku as hk  # pylint: disable=g-import-not-at-top
+
   import immgrad.haiku  # pylint: disable=g-import-not-at-top,unused-import
 
   def forward(x):
@@ -501,18 +571,21 @@ def test_haiku_layer_stack_equals_the_adapter():
     return hk.Linear(2)(hk.layer_stack(3)(block)(hk.Linear(8)(x)))
 
   model = hk.without_apply_rng(hk.transform(forward))
-  adapted = hk.without_apply_rng(hk.transform(immgrad.haiku.immediate(
-      forward)))
+  adapted = hk.without_apply_rng(hk.transform(immgrad.haiku.immediate(forward)))
   data = oracles.batches(jax.random.PRNGKey(1), STEPS, (4, 5), (4, 2))
   params = model.init(jax.random.PRNGKey(0), data[0][0])
   loss = lambda apply: lambda p, x, y: _mse(apply(p, x), y)
   for mode in ("current", "updated"):
-    got = oracles.immediate_steps(loss(immgrad.immediate(model.apply)),
-                                  OPTIMIZERS["adam"](), params, data,
-                                  mode=mode)
-    expected = oracles.immediate_steps(loss(adapted.apply),
-                                       OPTIMIZERS["adam"](), params, data,
-                                       mode=mode)
+    got = oracles.immediate_steps(
+      loss(immgrad.immediate(model.apply)),
+      OPTIMIZERS["adam"](),
+      params,
+      data,
+      mode=mode,
+    )
+    expected = oracles.immediate_steps(
+      loss(adapted.apply), OPTIMIZERS["adam"](), params, data, mode=mode
+    )
     oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
 
 
@@ -521,8 +594,11 @@ def test_parameters_in_a_scan_carry_are_not_supported_yet():
     w, _ = lax.scan(lambda w, x: (w * x.sum(), None), p["w"], xs)
     return jnp.sum(w)
 
-  with pytest.raises(ValueError, match=r"parameter \['w'\] meets "
-                     r"activations inside `scan`.*does not support yet"):
+  with pytest.raises(
+    ValueError,
+    match=r"parameter \['w'\] meets "
+    r"activations inside `scan`.*does not support yet",
+  ):
     immgrad.layers(loss_fn, W, X)
 
 
@@ -532,7 +608,8 @@ def test_checkpointed_layers(opt):
   chain, params = oracles.mlp([6, 16, 16, 3], jax.random.PRNGKey(0))
   data = oracles.batches(jax.random.PRNGKey(1), STEPS, (8, 6), (8, 3))
   per_layer = chain._replace(
-      layers=tuple(jax.checkpoint(f) for f in chain.layers)).loss_fn()
+    layers=tuple(jax.checkpoint(f) for f in chain.layers)
+  ).loss_fn()
 
   def whole(params, x, y):
     return _mse(jax.checkpoint(lambda x: chain.apply(params, x))(x), y)
@@ -540,15 +617,17 @@ def test_checkpointed_layers(opt):
   for loss_fn in (per_layer, whole):
     auto_loss = immgrad.immediate(loss_fn)
     assert _stepped_immediately(auto_loss, params, data[0]) == set(
-        _paths(params))
+      _paths(params)
+    )
     expected = oracles.plain_steps(loss_fn, OPTIMIZERS[opt](), params, data)
-    got = oracles.immediate_steps(auto_loss, OPTIMIZERS[opt](), params, data,
-                                  mode="current")
+    got = oracles.immediate_steps(
+      auto_loss, OPTIMIZERS[opt](), params, data, mode="current"
+    )
     oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
-    expected = oracles.sequential_steps(chain, OPTIMIZERS[opt](), params,
-                                        data)
-    got = oracles.immediate_steps(auto_loss, OPTIMIZERS[opt](), params, data,
-                                  mode="updated")
+    expected = oracles.sequential_steps(chain, OPTIMIZERS[opt](), params, data)
+    got = oracles.immediate_steps(
+      auto_loss, OPTIMIZERS[opt](), params, data, mode="updated"
+    )
     oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
 
 
@@ -559,16 +638,20 @@ def test_weights_computed_outside_a_checkpoint_are_ordinary():
 
   table = immgrad.layers(loss_fn, W, X, X)
   assert table["['b']"].layer == "add -> float32[4,3]"
-  assert re.fullmatch(r"its layer `dot_general` \(.*\) is inside "
-                      r"`(remat2|checkpoint)` \(.*test_auto.py:\d+:\d+ "
-                      r"\(.*loss_fn\)\), which gets its weights computed, "
-                      r"not the parameters themselves", table["['w']"].why)
+  assert re.fullmatch(
+    r"its layer `dot_general` \(.*\) is inside "
+    r"`(remat2|checkpoint)` \(.*test_auto.py:\d+:\d+ "
+    r"\(.*loss_fn\)\), which gets its weights computed, "
+    r"not the parameters themselves",
+    table["['w']"].why,
+  )
   data = [(X + i, X) for i in range(STEPS)]
   auto_loss = immgrad.immediate(loss_fn)
   assert _stepped_immediately(auto_loss, W, data[0]) == {"['b']"}
   expected = oracles.plain_steps(loss_fn, optax.adam(1e-2), W, data)
-  got = oracles.immediate_steps(auto_loss, optax.adam(1e-2), W, data,
-                                mode="current")
+  got = oracles.immediate_steps(
+    auto_loss, optax.adam(1e-2), W, data, mode="current"
+  )
   oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
 
 
@@ -576,8 +659,9 @@ def test_weights_a_scan_reuses_every_step_are_ordinary():
   """An RNN cell's weights, closed over by lax.scan: an ordinary gradient."""
 
   def loss_fn(p, xs, y):
-    h = lax.scan(lambda h, x: (jnp.tanh(h @ p["rnn"] + x), None),
-                 jnp.zeros(3), xs)[0]
+    h = lax.scan(
+      lambda h, x: (jnp.tanh(h @ p["rnn"] + x), None), jnp.zeros(3), xs
+    )[0]
     return _mse(h @ p["out"], y)
 
   params = {"rnn": W["w"] / 2, "out": W["w"]}
@@ -588,8 +672,9 @@ def test_weights_a_scan_reuses_every_step_are_ordinary():
   auto_loss = immgrad.immediate(loss_fn)
   assert _stepped_immediately(auto_loss, params, data[0]) == {"['out']"}
   expected = oracles.plain_steps(loss_fn, optax.adam(1e-2), params, data)
-  got = oracles.immediate_steps(auto_loss, optax.adam(1e-2), params, data,
-                                mode="current")
+  got = oracles.immediate_steps(
+    auto_loss, optax.adam(1e-2), params, data, mode="current"
+  )
   oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
 
 
@@ -600,49 +685,75 @@ def test_layers_table():
     h = jax.jit(lambda h, w: h @ (w["A"] @ w["B"]))(h, p["lowrank"])
     return h @ p["embed"].T + p["bias"], jnp.sum(p["bias"] ** 2)
 
-  params = {"embed": jnp.ones((10, 4)), "norm": {"scale": jnp.zeros(4)},
-            "lowrank": {"A": jnp.ones((4, 2)), "B": jnp.ones((2, 4))},
-            "bias": jnp.zeros(10), "step": jnp.zeros((), jnp.int32)}
+  params = {
+    "embed": jnp.ones((10, 4)),
+    "norm": {"scale": jnp.zeros(4)},
+    "lowrank": {"A": jnp.ones((4, 2)), "B": jnp.ones((2, 4))},
+    "bias": jnp.zeros(10),
+    "step": jnp.zeros((), jnp.int32),
+  }
   table = immgrad.layers(model, params, jnp.zeros((2, 3), jnp.int32))
   line = _line_of(model, "scale")
   at = lambda line: rf"{re.escape(__file__)}:{line}:\d+ \({name}\)"
   name = re.escape("test_layers_table.<locals>.model")
   row = table["['norm']['scale']"]
   assert (row.path, row.shape, row.layer, row.why) == (
-      "['norm']['scale']", "float32[4]", "mul -> float32[2,3,4]", None)
+    "['norm']['scale']",
+    "float32[4]",
+    "mul -> float32[2,3,4]",
+    None,
+  )
   assert re.fullmatch(at(line), row.source)
   for path in ("['lowrank']['A']", "['lowrank']['B']"):
     assert table[path].layer == "dot_general -> float32[2,3,4]"
     assert f"test_auto.py:{line + 1}:" in table[path].source
   assert re.fullmatch(
-      rf"read by 2 layers: `gather` \({at(line - 1)}\), "
-      rf"`dot_general` \({at(line + 2)}\)", table["['embed']"].why)
+    rf"read by 2 layers: `gather` \({at(line - 1)}\), "
+    rf"`dot_general` \({at(line + 2)}\)",
+    table["['embed']"].why,
+  )
   assert table["['bias']"].why.startswith("returned by the function")
   assert table["['step']"].why == "not floating point: no gradient"
   assert [r.path for r in table] == _paths(params)
   printed = str(table).splitlines()
-  assert printed[0].split() == ["parameter", "shape", "layer", "source", "/",
-                                "why", "ordinary"]
+  assert printed[0].split() == [
+    "parameter",
+    "shape",
+    "layer",
+    "source",
+    "/",
+    "why",
+    "ordinary",
+  ]
   assert printed[5].split()[:3] == ["['norm']['scale']", "float32[4]", "mul"]
-  assert immgrad.layers(immgrad.immediate(lambda x, p: model(p, x),
-                                          argnums=1),
-                        params, jnp.zeros((2, 3), jnp.int32)) == table
+  assert (
+    immgrad.layers(
+      immgrad.immediate(lambda x, p: model(p, x), argnums=1),
+      params,
+      jnp.zeros((2, 3), jnp.int32),
+    )
+    == table
+  )
 
 
 def test_outside_a_step_it_is_fun():
   fun = lambda p, x: jnp.sum(jnp.sin(x @ p["w"] + p["b"]))
   wrapped = immgrad.immediate(fun)
   assert wrapped(W, X) == fun(W, X)
-  np.testing.assert_array_equal(jax.jit(jax.grad(wrapped))(W, X)["w"],
-                                jax.jit(jax.grad(fun))(W, X)["w"])
+  np.testing.assert_array_equal(
+    jax.jit(jax.grad(wrapped))(W, X)["w"], jax.jit(jax.grad(fun))(W, X)["w"]
+  )
 
 
 def test_a_computed_tree_is_not_parameters():
   fun = immgrad.immediate(lambda p, x: jnp.sum(x @ p["w"] + p["b"]))
   tx = immgrad.shim(optax.sgd(0.1))
   loss_fn = lambda p, x: fun({"w": 2 * p["w"], "b": p["b"]}, x)
-  with pytest.raises(ValueError, match=r"params\['w'\] \(argument 0\) is not "
-                                       r"a parameter leaf"):
+  with pytest.raises(
+    ValueError,
+    match=r"params\['w'\] \(argument 0\) is not "
+    r"a parameter leaf",
+  ):
     immgrad.value_and_grad(loss_fn, tx)(W, tx.init(W), X)
 
 
@@ -650,18 +761,19 @@ def test_linen_scan_over_layers_current_equals_plain():
   nn = pytest.importorskip("flax.linen")
 
   class Block(nn.Module):
-
     @nn.compact
     def __call__(self, h, _):
       return jnp.tanh(nn.Dense(8)(h)), None
 
   class Model(nn.Module):
-
     @nn.compact
     def __call__(self, x):
-      h, _ = nn.scan(Block, variable_axes={"params": 0},
-                     split_rngs={"params": True}, length=3)()(
-                         nn.Dense(8)(x), None)
+      h, _ = nn.scan(
+        Block,
+        variable_axes={"params": 0},
+        split_rngs={"params": True},
+        length=3,
+      )()(nn.Dense(8)(x), None)
       return nn.Dense(2)(h)
 
   model = Model()
@@ -669,9 +781,9 @@ def test_linen_scan_over_layers_current_equals_plain():
   params = model.init(jax.random.PRNGKey(0), data[0][0])["params"]
   loss_fn = lambda p, x, y: _mse(model.apply({"params": p}, x), y)
   auto_loss = immgrad.immediate(loss_fn)
-  assert _stepped_immediately(auto_loss, params, data[0]) == set(
-      _paths(params))
+  assert _stepped_immediately(auto_loss, params, data[0]) == set(_paths(params))
   expected = oracles.plain_steps(loss_fn, OPTIMIZERS["adam"](), params, data)
-  got = oracles.immediate_steps(auto_loss, OPTIMIZERS["adam"](), params, data,
-                                mode="current")
+  got = oracles.immediate_steps(
+    auto_loss, OPTIMIZERS["adam"](), params, data, mode="current"
+  )
   oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)

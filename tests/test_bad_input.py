@@ -45,10 +45,12 @@ def test_weight_in_two_immediate_calls_is_an_error():
 
 def test_same_weight_twice_in_one_call_is_an_error():
   def loss_fn(params, x, y):
-    both = {"w": params["l2"]["w"], "b": params["l2"]["b"],
-            "again": params["l2"]["w"]}
-    out = immgrad.immediate_layer(lambda x, p: x @ p["w"] @ p["again"])(
-        x, both)
+    both = {
+      "w": params["l2"]["w"],
+      "b": params["l2"]["b"],
+      "again": params["l2"]["w"],
+    }
+    out = immgrad.immediate_layer(lambda x, p: x @ p["w"] @ p["again"])(x, both)
     return jnp.mean((out[:, :2] - y) ** 2)
 
   tx, step = tiny.train_step(loss_fn)
@@ -77,40 +79,49 @@ def test_regulariser_on_immediate_weight_is_an_error():
     step(tiny.params(), tx.init(tiny.params()), *tiny.data())
 
 
-@pytest.mark.parametrize("transform", [
+@pytest.mark.parametrize(
+  "transform",
+  [
     lambda w: w.astype(jnp.bfloat16),
     lambda w: 2.0 * w,
     lambda w: w + 0.0,
     lambda w: jnp.stack([w, w])[0],
     lambda w: w.T.T,
-], ids=["cast", "scale", "arithmetic", "stack_and_index", "transpose"])
+  ],
+  ids=["cast", "scale", "arithmetic", "stack_and_index", "transpose"],
+)
 def test_weight_transformed_before_the_layer_is_an_error(transform):
   def loss_fn(params, x, y):
     p = {"w": transform(params["l1"]["w"]), "b": params["l1"]["b"]}
     return jnp.mean((tiny.dense(x, p)[:, :2] - y) ** 2)
 
   tx, step = tiny.train_step(loss_fn)
-  with pytest.raises(ValueError,
-                     match=r"'dense' got params\['w'\] that is not a "
-                     r"parameter"):
+  with pytest.raises(
+    ValueError,
+    match=r"'dense' got params\['w'\] that is not a "
+    r"parameter",
+  ):
     step(tiny.params(), tx.init(tiny.params()), *tiny.data())
 
 
 def _scan_closed_over(params, x):
   def body(h, _):
     return jnp.tanh(tiny.dense(h, params["l1"])), None
+
   return jax.lax.scan(body, x, None, length=3)[0]
 
 
 def _scan_stacked(params, x):
-  stacked = jax.tree.map(lambda a, b: jnp.stack([a, b]), params["l1"],
-                         params["l2"])
+  stacked = jax.tree.map(
+    lambda a, b: jnp.stack([a, b]), params["l1"], params["l2"]
+  )
   return jax.lax.scan(lambda h, p: (tiny.dense(h, p), None), x, stacked)[0]
 
 
 def _cond(params, x):
-  return jax.lax.cond(x[0, 0] > 0, lambda h: tiny.dense(h, params["l1"]),
-                      lambda h: h, x)
+  return jax.lax.cond(
+    x[0, 0] > 0, lambda h: tiny.dense(h, params["l1"]), lambda h: h, x
+  )
 
 
 def _checkpoint(params, x):
@@ -120,6 +131,7 @@ def _checkpoint(params, x):
 def _vmap_in_a_loop(params, x):  # vmap is fine, but not inside lax.scan.
   def body(h, _):
     return jax.vmap(lambda row: tiny.dense(row, params["l1"]))(h), None
+
   return jax.lax.scan(body, x, None, length=2)[0]
 
 
@@ -128,18 +140,34 @@ def _vmapped_weights(params, x):  # Per-example weights: mapped by vmap.
   return jax.vmap(tiny.dense)(x, stacked)
 
 
-@pytest.mark.parametrize("where, match", [
+@pytest.mark.parametrize(
+  "where, match",
+  [
     # The one transformation found, where the user called it, and the fix.
-    (_scan_closed_over, r"inside a transformation within the loss, lax.scan "
-     r"called at test_bad_input.py:\d+,.*immgrad.scan"),
+    (
+      _scan_closed_over,
+      r"inside a transformation within the loss, lax.scan "
+      r"called at test_bad_input.py:\d+,.*immgrad.scan",
+    ),
     (_scan_stacked, "not a parameter"),
     (_cond, r"lax.cond called at test_bad_input.py:\d+,.*outside the branch"),
-    (_checkpoint, r"jax.checkpoint called at test_bad_input.py:\d+,.*"
-     r"Use immgrad.checkpoint"),
+    (
+      _checkpoint,
+      r"jax.checkpoint called at test_bad_input.py:\d+,.*"
+      r"Use immgrad.checkpoint",
+    ),
     (_vmap_in_a_loop, r"lax.scan called at test_bad_input.py:\d+"),
     (_vmapped_weights, "mapped by jax.vmap"),
-], ids=["scan_closure", "scan_stacked", "cond", "checkpoint",
-        "vmap_in_a_loop", "vmapped_weights"])
+  ],
+  ids=[
+    "scan_closure",
+    "scan_stacked",
+    "cond",
+    "checkpoint",
+    "vmap_in_a_loop",
+    "vmapped_weights",
+  ],
+)
 def test_layer_inside_a_transformation_is_an_error(where, match):
   def loss_fn(params, x, y):
     return jnp.mean((where(params, x)[:, :2] - y) ** 2)
@@ -153,6 +181,7 @@ def test_layer_inside_a_transformation_is_an_error(where, match):
 
 def test_layer_under_vmap_is_no_longer_an_error():
   """It steps once on the batch's gradient: plain training (test_vmap.py)."""
+
   def loss_fn(params, x, y):
     out = jax.vmap(lambda row: tiny.dense(row, params["l1"]))(x)
     return jnp.mean((out[:, :2] - y) ** 2)
@@ -184,13 +213,14 @@ def test_bad_arguments_are_clear_errors():
     immgrad.value_and_grad(loss_fn, optax.sgd(0.1))
   with pytest.raises(ValueError, match="axis 'batch' is not bound"):
     immgrad.value_and_grad(loss_fn, tx, axis_name="batch")(
-        PARAMS, tx.init(PARAMS), X)
+      PARAMS, tx.init(PARAMS), X
+    )
   with pytest.raises(TypeError, match="scalar loss"):
     immgrad.value_and_grad(lambda p, x: affine(x, p), tx)(
-        PARAMS, tx.init(PARAMS), X)
+      PARAMS, tx.init(PARAMS), X
+    )
   with pytest.raises(TypeError, match="from immgrad.shim"):
-    immgrad.value_and_grad(loss_fn, tx)(PARAMS, optax.sgd(0.1).init(PARAMS),
-                                        X)
+    immgrad.value_and_grad(loss_fn, tx)(PARAMS, optax.sgd(0.1).init(PARAMS), X)
 
 
 def test_mismatched_opt_state_is_a_clear_error():
@@ -203,24 +233,41 @@ def test_mismatched_opt_state_is_a_clear_error():
   with pytest.raises(ValueError, match=r"opt_state does not match.*TraceState"):
     immgrad.value_and_grad(loss_fn, tx)(PARAMS, other_optimizer, X)
   other_shapes = tx.init({"w": jnp.ones((3, 3)), "b": jnp.ones(2)})
-  with pytest.raises(ValueError, match=r"leaf \[0\]\.mu\['w'\] is "
-                     r"float32\[3, 3\], where tx.init makes float32\[3, 2\]"):
+  with pytest.raises(
+    ValueError,
+    match=r"leaf \[0\]\.mu\['w'\] is "
+    r"float32\[3, 3\], where tx.init makes float32\[3, 2\]",
+  ):
     immgrad.value_and_grad(loss_fn, tx)(PARAMS, other_shapes, X)
 
 
-@pytest.mark.parametrize("tx, culprit", [
+@pytest.mark.parametrize(
+  "tx, culprit",
+  [
     (optax.clip_by_global_norm(1.0), "clip_by_global_norm"),
-    (optax.chain(optax.adam(1e-3), optax.clip_by_global_norm(1.0)),
-     "chain: clip_by_global_norm"),
+    (
+      optax.chain(optax.adam(1e-3), optax.clip_by_global_norm(1.0)),
+      "chain: clip_by_global_norm",
+    ),
     (optax.apply_if_finite(optax.adam(1e-3), 3), "apply_if_finite"),
     (optax.normalize_by_update_norm(), "normalize_by_update_norm"),
     # Updates per parameter, but its state keeps one estimate from all.
     (optax.contrib.dadapt_adamw(), "dadapt_adamw"),
-], ids=["clip_by_global_norm", "chained_after_adam", "apply_if_finite",
-        "normalize_by_update_norm", "state_coupling"])
+  ],
+  ids=[
+    "clip_by_global_norm",
+    "chained_after_adam",
+    "apply_if_finite",
+    "normalize_by_update_norm",
+    "state_coupling",
+  ],
+)
 def test_whole_tree_transformations_are_rejected_by_name(tx, culprit):
-  with pytest.raises(ValueError, match=f"immgrad.shim\\({culprit}\\).*"
-                     "does not act on each parameter separately"):
+  with pytest.raises(
+    ValueError,
+    match=f"immgrad.shim\\({culprit}\\).*"
+    "does not act on each parameter separately",
+  ):
     immgrad.shim(tx)
 
 
@@ -252,12 +299,18 @@ def test_params_that_change_shape_between_steps():
   step = immgrad.value_and_grad(loss_fn, tx)
   _, grads = step(PARAMS, state, X)
   wider = {"w": jnp.ones((3, 5)), "b": jnp.ones(5)}
-  with pytest.raises(ValueError, match=r"leaf \[0\]\.mu\['b'\] is "
-                     r"float32\[2\], where tx.init makes float32\[5\]"):
+  with pytest.raises(
+    ValueError,
+    match=r"leaf \[0\]\.mu\['b'\] is "
+    r"float32\[2\], where tx.init makes float32\[5\]",
+  ):
     step(wider, state, X)
   # The step's result applied to params of another shape.
-  with pytest.raises(ValueError, match=r"parameter \['b'\] is float32\[2\], "
-                     r"but the parameter is float32\[5\]"):
+  with pytest.raises(
+    ValueError,
+    match=r"parameter \['b'\] is float32\[2\], "
+    r"but the parameter is float32\[5\]",
+  ):
     tx.update(grads, state, wider)
 
 

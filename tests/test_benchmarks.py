@@ -12,9 +12,9 @@ reported by the suite, not a promise of ours.)
 import jax
 import optax
 
-import oracles
 from benchmarks import measure
 from benchmarks import models
+import oracles
 
 
 def test_naive_baseline_equals_the_sequential_reference():
@@ -30,8 +30,7 @@ def test_naive_baseline_equals_the_sequential_reference():
     history.append(params)
     losses.append(loss)
   # Tolerance of test_updated.py: float32 rounding of two programs.
-  oracles.assert_runs_close((history, losses), expected, atol=1e-6,
-                            rtol=1e-5)
+  oracles.assert_runs_close((history, losses), expected, atol=1e-6, rtol=1e-5)
 
 
 def test_flops_are_plain_trainings():
@@ -43,10 +42,10 @@ def test_flops_are_plain_trainings():
   before anything is written; the commit evaluates it again): adam costs
   about 26 FLOPs per parameter by XLA's count, +2.2% to +2.5% at width 128
   and batch 256 (benchmarks/results.json). A second backward pass would
-  cost +50%, and dX at the new weights taken twice +33%."""
+  cost +50%, and dX at the new weights taken twice +33%.
+  """
   for depth in (2, 4):
-    figures = measure.measure(models.mlp(depth, 128, 256), warmup=0,
-                              repeats=1)
+    figures = measure.measure(models.mlp(depth, 128, 256), warmup=0, repeats=1)
     r = measure.ratios(figures)
     assert 1.0 <= r["updated (atomic=False)"]["flops"] < 1.004, r
     for method in ("current", "updated"):
@@ -61,9 +60,12 @@ def test_scanned_stack_peak_memory_is_near_plain():
   loop stacks only activations and measures 1.00x on CPU
   (benchmarks/results.json). The bound, 1.05, fails if the loop copies a
   whole stack (64 MB of weights or of a moment: +23%), or keeps four or
-  more layer-sized slices (4 MB each) beyond plain's."""
-  peaks = _peaks(models.scanned_mlp(16, 1024, 64),
-                 ("plain", "updated (atomic=False)", "updated"))
+  more layer-sized slices (4 MB each) beyond plain's.
+  """
+  peaks = _peaks(
+    models.scanned_mlp(16, 1024, 64),
+    ("plain", "updated (atomic=False)", "updated"),
+  )
   assert peaks["updated (atomic=False)"] / peaks["plain"] < 1.05, peaks
   # Atomic: each layer's update is written over its own gradient slice
   # (1.04x); an update buffer the size of the stack would be 1.24x.
@@ -75,9 +77,12 @@ def test_atomic_steps_keep_only_the_gradients():
   can write nothing before the first layer's gradient exists, so it holds
   every layer's gradient (33 MB) where plain training frees each as it
   goes: 1.12x plain, below optax.apply_if_finite (1.35x). Keeping the old
-  weights and state beside the new ones, as before, cost 1.64x."""
-  peaks = _peaks(models.mlp(8, 1024, 256),
-                 ("plain", "plain + apply_if_finite", "current", "updated"))
+  weights and state beside the new ones, as before, cost 1.64x.
+  """
+  peaks = _peaks(
+    models.mlp(8, 1024, 256),
+    ("plain", "plain + apply_if_finite", "current", "updated"),
+  )
   for method in ("current", "updated"):
     assert peaks[method] / peaks["plain"] < 1.15, peaks
     assert peaks[method] < peaks["plain + apply_if_finite"], peaks
@@ -87,8 +92,11 @@ def _peaks(candidates, names):
   peaks = {}
   for c in candidates:
     if c.name in names:
-      compiled = jax.jit(c.step, donate_argnums=(0, 1)).lower(
-          c.params, c.opt_state, *c.batch).compile()
+      compiled = (
+        jax.jit(c.step, donate_argnums=(0, 1))
+        .lower(c.params, c.opt_state, *c.batch)
+        .compile()
+      )
       peaks[c.name] = measure._peak_bytes(compiled)  # pylint: disable=protected-access
   return peaks
 
@@ -96,7 +104,9 @@ def _peaks(candidates, names):
 def test_hlo_counts_reads_tuple_typed_instructions():
   """A conditional returning two arrays has a tuple type with spaces in it,
   ``(f32[4]{0}, f32[4]{0}) conditional(...)``; it must still be counted (a
-  counter that split the type at the first space found none)."""
+  counter that split the type at the first space found none).
+  """
+
   def f(x, p):
     return jax.lax.cond(p, lambda x: (x * 2, x + 1), lambda x: (x, x), x)
 
@@ -108,12 +118,16 @@ def test_measuring_alone_compiles_the_program_a_user_runs():
   """``measure_alone`` compiles each step from shapes alone (so that only
   one method's buffers sit on the device); the program must be the one
   compiled from the arrays themselves: same FLOPs and peak memory, both
-  deterministic, for a plain and an atomic immediate step."""
+  deterministic, for a plain and an atomic immediate step.
+  """
   candidates = models.mlp(2, 64, 16, methods=("plain", "updated"))
   alone = measure.measure_alone(candidates, warmup=0, repeats=1)
   for c in candidates:
-    compiled = jax.jit(c.step, donate_argnums=(0, 1)).lower(
-        c.params, c.opt_state, *c.batch).compile()
+    compiled = (
+      jax.jit(c.step, donate_argnums=(0, 1))
+      .lower(c.params, c.opt_state, *c.batch)
+      .compile()
+    )
     assert alone[c.name]["flops"] == measure._flops(compiled)  # pylint: disable=protected-access
     assert alone[c.name]["peak_bytes"] == measure._peak_bytes(compiled)  # pylint: disable=protected-access
     assert alone[c.name]["median_step_seconds"] > 0
@@ -121,16 +135,21 @@ def test_measuring_alone_compiles_the_program_a_user_runs():
 
 def test_profiler_times_are_summed_by_operation():
   """Per-op device times (a TPU trace names each event by its HLO
-  instruction) summed by operation, fusions by kind; tuple types too."""
+  instruction) summed by operation, fusions by kind; tuple types too.
+  """
   times = {
-      "%fusion.3 = (f32[4]{0}, f32[4]{0}) fusion(f32[4]{0} %a), "
-      "kind=kOutput, calls=%f": 2.0,
-      "%fusion.4 = f32[4]{0} fusion(f32[4]{0} %a), kind=kLoop, calls=%g": 1.0,
-      "%fusion.5 = f32[4]{0} fusion(f32[4]{0} %b), kind=kLoop, calls=%h": 0.5,
-      "%cond.1 = (f32[4]{0}, s32[]) conditional(s32[] %p, (f32[4]{0}) %t)":
-          4.0,
-      "%copy.7 = f32[4]{0} copy(f32[4]{0} %a)": 0.25,
-      "idle": 8.0}
+    "%fusion.3 = (f32[4]{0}, f32[4]{0}) fusion(f32[4]{0} %a), "
+    "kind=kOutput, calls=%f": 2.0,
+    "%fusion.4 = f32[4]{0} fusion(f32[4]{0} %a), kind=kLoop, calls=%g": 1.0,
+    "%fusion.5 = f32[4]{0} fusion(f32[4]{0} %b), kind=kLoop, calls=%h": 0.5,
+    "%cond.1 = (f32[4]{0}, s32[]) conditional(s32[] %p, (f32[4]{0}) %t)": 4.0,
+    "%copy.7 = f32[4]{0} copy(f32[4]{0} %a)": 0.25,
+    "idle": 8.0,
+  }
   assert measure.by_kind(times) == {
-      "idle": 8.0, "conditional": 4.0, "fusion:kOutput": 2.0,
-      "fusion:kLoop": 1.5, "copy": 0.25}
+    "idle": 8.0,
+    "conditional": 4.0,
+    "fusion:kOutput": 2.0,
+    "fusion:kLoop": 1.5,
+    "copy": 0.25,
+  }

@@ -33,8 +33,9 @@ MEASURED_RTOL, MEASURED_ATOL = 1e-6, 1e-7
 
 
 def _setup():
-  chain, params = oracles.mlp([6, 16, 16, 3], jax.random.PRNGKey(0),
-                              act=jnp.tanh)
+  chain, params = oracles.mlp(
+    [6, 16, 16, 3], jax.random.PRNGKey(0), act=jnp.tanh
+  )
   data = oracles.batches(jax.random.PRNGKey(1), 5, (8, 6), (8, 3))
   return chain, params, data
 
@@ -44,8 +45,10 @@ def _bitwise(a, b):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-@pytest.mark.parametrize("a, name", [(0, "current"), (1, "updated"),
-                                     (0.0, "current"), (1.0, "updated")])
+@pytest.mark.parametrize(
+  "a, name",
+  [(0, "current"), (1, "updated"), (0.0, "current"), (1.0, "updated")],
+)
 def test_endpoints_are_the_named_modes_bitwise(a, name):
   chain, params, data = _setup()
   loss_fn = chain.loss_fn(immgrad.immediate_layer)
@@ -61,8 +64,9 @@ def test_fraction_equals_sequential_reference(a, opt_name):
   chain, params, data = _setup()
   opt = optax.sgd(0.2) if opt_name == "sgd" else optax.adam(1e-2)
   expected = oracles.sequential_steps(chain, opt, params, data, at=a)
-  got = oracles.immediate_steps(chain.loss_fn(immgrad.immediate_layer), opt,
-                                params, data, mode=a)
+  got = oracles.immediate_steps(
+    chain.loss_fn(immgrad.immediate_layer), opt, params, data, mode=a
+  )
   oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
   # The fraction is really used: a = 0 and a = 1 land measurably apart.
   for other in (0.0, 1.0):
@@ -76,7 +80,8 @@ def _measured_steps(loss_fn, opt, params, data, mode):
   @jax.jit
   def step(params, state, x, y):
     loss, grads, change = immgrad.value_and_grad(
-        loss_fn, tx, mode=mode, measure_dx=True)(params, state, x, y)
+      loss_fn, tx, mode=mode, measure_dx=True
+    )(params, state, x, y)
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state, change
 
@@ -92,51 +97,67 @@ def test_measure_dx_equals_reference(mode):
   chain, params, data = _setup()
   opt = optax.sgd(0.2)
   at = {"current": 0.0, "updated": 1.0}.get(mode, mode)
-  *_, expected = oracles.sequential_steps(chain, opt, params, data, at=at,
-                                          measure=True)
-  final, got = _measured_steps(chain.loss_fn(immgrad.immediate_layer), opt,
-                               params, data, mode)
+  *_, expected = oracles.sequential_steps(
+    chain, opt, params, data, at=at, measure=True
+  )
+  final, got = _measured_steps(
+    chain.loss_fn(immgrad.immediate_layer), opt, params, data, mode
+  )
   for step, (g, e) in enumerate(zip(got, expected)):
     for name in chain.names:
       assert float(e[name]) > 1e-3  # A real change, not a zero to match.
       for leaf in ("w", "b"):  # Every leaf of the layer holds its value.
-        np.testing.assert_allclose(g[name][leaf], e[name], rtol=CHANGE_RTOL,
-                                   err_msg=f"step {step + 1}, {name}")
+        np.testing.assert_allclose(
+          g[name][leaf],
+          e[name],
+          rtol=CHANGE_RTOL,
+          err_msg=f"step {step + 1}, {name}",
+        )
   # Measuring changes nothing about the training itself (but rounding).
-  trained = oracles.immediate_steps(chain.loss_fn(immgrad.immediate_layer),
-                                    opt, params, data, mode=mode)
-  chex.assert_trees_all_close(final, trained[0][-1], rtol=MEASURED_RTOL,
-                              atol=MEASURED_ATOL)
+  trained = oracles.immediate_steps(
+    chain.loss_fn(immgrad.immediate_layer), opt, params, data, mode=mode
+  )
+  chex.assert_trees_all_close(
+    final, trained[0][-1], rtol=MEASURED_RTOL, atol=MEASURED_ATOL
+  )
 
 
 def test_measure_dx_per_layer_of_a_scan():
   """A stacked parameter reports one value per layer, as if unrolled."""
   layers, width = 3, 5
-  chain, unrolled = oracles.mlp([width] * (layers + 1) + [3],
-                                jax.random.PRNGKey(0), act=jnp.tanh)
+  chain, unrolled = oracles.mlp(
+    [width] * (layers + 1) + [3], jax.random.PRNGKey(0), act=jnp.tanh
+  )
   dense = immgrad.immediate_layer(oracles.dense)
 
   def scan_loss(params, x, y):
     def block(h, p):
       return jnp.tanh(dense(h, p)), None
+
     h, _ = immgrad.scan(block, x, params["blocks"])
     return oracles.mse(dense(h, params["head"]), y)
 
   blocks = [unrolled[f"layer{i}"] for i in range(layers)]
-  stacked = {"blocks": jax.tree.map(lambda *a: jnp.stack(a), *blocks),
-             "head": unrolled[f"layer{layers}"]}
+  stacked = {
+    "blocks": jax.tree.map(lambda *a: jnp.stack(a), *blocks),
+    "head": unrolled[f"layer{layers}"],
+  }
   data = oracles.batches(jax.random.PRNGKey(1), 3, (8, width), (8, 3))
   opt = optax.sgd(0.2)
-  *_, expected = oracles.sequential_steps(chain, opt, unrolled, data,
-                                          at=1.0, measure=True)
+  *_, expected = oracles.sequential_steps(
+    chain, opt, unrolled, data, at=1.0, measure=True
+  )
   _, got = _measured_steps(scan_loss, opt, stacked, data, "updated")
   for g, e in zip(got, expected):
     assert g["blocks"]["w"].shape == (layers,)
     np.testing.assert_allclose(
-        g["blocks"]["w"], [e[f"layer{i}"] for i in range(layers)],
-        rtol=CHANGE_RTOL)
-    np.testing.assert_allclose(g["head"]["b"], e[f"layer{layers}"],
-                               rtol=CHANGE_RTOL)
+      g["blocks"]["w"],
+      [e[f"layer{i}"] for i in range(layers)],
+      rtol=CHANGE_RTOL,
+    )
+    np.testing.assert_allclose(
+      g["head"]["b"], e[f"layer{layers}"], rtol=CHANGE_RTOL
+    )
 
 
 def test_measure_dx_leaves_ordinary_parameters_none():
@@ -144,17 +165,21 @@ def test_measure_dx_leaves_ordinary_parameters_none():
     h = immgrad.immediate_layer(oracles.dense)(x, params["layer"])
     return jnp.mean((h * params["scale"]) ** 2)
 
-  params = {"layer": {"w": jnp.ones((2, 3)), "b": jnp.zeros(3)},
-            "scale": jnp.ones(3)}
+  params = {
+    "layer": {"w": jnp.ones((2, 3)), "b": jnp.zeros(3)},
+    "scale": jnp.ones(3),
+  }
   tx = immgrad.shim(optax.sgd(0.1))
   _, _, change = immgrad.value_and_grad(loss_fn, tx, measure_dx=True)(
-      params, tx.init(params), jnp.ones((4, 2)))
+    params, tx.init(params), jnp.ones((4, 2))
+  )
   assert change["scale"] is None
   chex.assert_shape(change["layer"]["w"], ())
 
 
-@pytest.mark.parametrize("bad", ["update", "", True, float("nan"),
-                                 float("inf"), None, [0.5]])
+@pytest.mark.parametrize(
+  "bad", ["update", "", True, float("nan"), float("inf"), None, [0.5]]
+)
 def test_bad_mode_is_a_clear_error(bad):
   tx = immgrad.shim(optax.sgd(0.1))
   with pytest.raises(ValueError, match="mode must be"):
@@ -173,12 +198,14 @@ def test_measure_dx_through_checkpoint():
     def loss(params, x, y):
       h = block(block(x, params["layer0"]), params["layer1"])
       return oracles.mse(dense(h, params["layer2"]), y)
+
     return loss
 
   opt = optax.sgd(0.2)
   _, got = _measured_steps(loss_fn(True), opt, params, data, "updated")
-  *_, expected = oracles.sequential_steps(chain, opt, params, data,
-                                          measure=True)
+  *_, expected = oracles.sequential_steps(
+    chain, opt, params, data, measure=True
+  )
   for g, e in zip(got, expected):
     for name in chain.names:
       np.testing.assert_allclose(g[name]["w"], e[name], rtol=CHANGE_RTOL)
@@ -192,10 +219,13 @@ def test_measure_dx_of_a_layer_with_integer_input_is_zero():
   def loss_fn(params, ids):
     return jnp.mean(dense(embed(ids, params["embed"]), params["out"]) ** 2)
 
-  params = {"embed": {"table": jnp.linspace(-1, 1, 12).reshape(4, 3)},
-            "out": {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)}}
+  params = {
+    "embed": {"table": jnp.linspace(-1, 1, 12).reshape(4, 3)},
+    "out": {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)},
+  }
   tx = immgrad.shim(optax.sgd(0.5))
   _, _, change = immgrad.value_and_grad(loss_fn, tx, measure_dx=True)(
-      params, tx.init(params), jnp.array([0, 2, 3]))
+    params, tx.init(params), jnp.array([0, 2, 3])
+  )
   assert float(change["embed"]["table"]) == 0.0
   assert float(change["out"]["w"]) > 1e-3

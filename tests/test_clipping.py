@@ -24,37 +24,58 @@ def test_layer_norm_clip_by_hand():
   chain, params, data = _problem()
   max_norm, lr = 0.5, 0.5
   grads = jax.grad(chain.loss_fn())(params, *data[0])
-  norms = {k: {n: float(np.linalg.norm(np.asarray(g)))
-               for n, g in v.items()} for k, v in grads.items()}
-  assert min(min(v.values()) for v in norms.values()) < max_norm < max(
-      max(v.values()) for v in norms.values())  # Some clip, some do not.
+  norms = {
+    k: {n: float(np.linalg.norm(np.asarray(g))) for n, g in v.items()}
+    for k, v in grads.items()
+  }
+  assert (
+    min(min(v.values()) for v in norms.values())
+    < max_norm
+    < max(max(v.values()) for v in norms.values())
+  )  # Some clip, some do not.
   expected = jax.tree.map(
-      lambda p, g, n: p - lr * g / max(1.0, n / max_norm), params, grads,
-      norms)
+    lambda p, g, n: p - lr * g / max(1.0, n / max_norm), params, grads, norms
+  )
   got = oracles.immediate_steps(
-      chain.loss_fn(immgrad.immediate_layer),
-      optax.chain(immgrad.clip_by_layer_norm(max_norm), optax.sgd(lr)),
-      params, data[:1], mode="current")[0][0]
+    chain.loss_fn(immgrad.immediate_layer),
+    optax.chain(immgrad.clip_by_layer_norm(max_norm), optax.sgd(lr)),
+    params,
+    data[:1],
+    mode="current",
+  )[0][0]
   chex.assert_trees_all_close(got, expected, atol=ATOL, rtol=RTOL)
 
 
-@pytest.mark.parametrize("opt", [
+@pytest.mark.parametrize(
+  "opt",
+  [
     optax.chain(immgrad.clip_by_layer_norm(0.1), optax.adam(1e-2)),
-    optax.chain(optax.scale_by_adam(), optax.clip_by_block_rms(0.5),
-                optax.scale_by_learning_rate(1e-2)),
-], ids=["layer_norm_then_adam", "adalomo_update_rms"])
+    optax.chain(
+      optax.scale_by_adam(),
+      optax.clip_by_block_rms(0.5),
+      optax.scale_by_learning_rate(1e-2),
+    ),
+  ],
+  ids=["layer_norm_then_adam", "adalomo_update_rms"],
+)
 def test_clipped_training_matches_references(opt):
   chain, params, data = _problem()
   oracles.assert_runs_close(
-      oracles.immediate_steps(chain.loss_fn(immgrad.immediate_layer), opt,
-                              params, data, mode="current"),
-      oracles.plain_steps(chain.loss_fn(), opt, params, data),
-      atol=ATOL, rtol=RTOL)
+    oracles.immediate_steps(
+      chain.loss_fn(immgrad.immediate_layer), opt, params, data, mode="current"
+    ),
+    oracles.plain_steps(chain.loss_fn(), opt, params, data),
+    atol=ATOL,
+    rtol=RTOL,
+  )
   oracles.assert_runs_close(
-      oracles.immediate_steps(chain.loss_fn(immgrad.immediate_layer), opt,
-                              params, data, mode="updated"),
-      oracles.sequential_steps(chain, opt, params, data),
-      atol=ATOL, rtol=RTOL)
+    oracles.immediate_steps(
+      chain.loss_fn(immgrad.immediate_layer), opt, params, data, mode="updated"
+    ),
+    oracles.sequential_steps(chain, opt, params, data),
+    atol=ATOL,
+    rtol=RTOL,
+  )
 
 
 def test_max_norm_must_be_positive():

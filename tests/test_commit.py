@@ -28,17 +28,17 @@ import immgrad
 N, M = 6, 4  # x: (N, N), w: (N, M); C: (N, M) with C[i, i] = 1.
 
 OPTIMIZERS = {
-    "sgd": lambda: optax.sgd(0.3),
-    "momentum": lambda: optax.sgd(0.3, momentum=0.9, nesterov=True),
-    "adam": lambda: optax.adam(0.05),
-    "adamw": lambda: optax.adamw(optax.cosine_decay_schedule(0.05, 10)),
-    "lion": lambda: optax.lion(0.01),
-    "rmsprop": lambda: optax.rmsprop(0.01),
-    "adafactor": lambda: optax.adafactor(0.05),
-    "clipped adam": lambda: optax.chain(immgrad.clip_by_layer_norm(0.5),
-                                        optax.adam(0.05)),
-    "injected": lambda: optax.inject_hyperparams(optax.adam)(
-        learning_rate=0.05),
+  "sgd": lambda: optax.sgd(0.3),
+  "momentum": lambda: optax.sgd(0.3, momentum=0.9, nesterov=True),
+  "adam": lambda: optax.adam(0.05),
+  "adamw": lambda: optax.adamw(optax.cosine_decay_schedule(0.05, 10)),
+  "lion": lambda: optax.lion(0.01),
+  "rmsprop": lambda: optax.rmsprop(0.01),
+  "adafactor": lambda: optax.adafactor(0.05),
+  "clipped adam": lambda: optax.chain(
+    immgrad.clip_by_layer_norm(0.5), optax.adam(0.05)
+  ),
+  "injected": lambda: optax.inject_hyperparams(optax.adam)(learning_rate=0.05),
 }
 
 layer = immgrad.immediate_layer(lambda x, p: x @ p["w"])
@@ -50,8 +50,10 @@ def _cotangent():
 
 def _params():
   k1, k2 = jax.random.split(jax.random.PRNGKey(0))
-  return {"x": jax.random.normal(k1, (N, N)),
-          "layer": {"w": jax.random.normal(k2, (N, M))}}
+  return {
+    "x": jax.random.normal(k1, (N, N)),
+    "layer": {"w": jax.random.normal(k2, (N, M))},
+  }
 
 
 def _loss(params):
@@ -80,8 +82,9 @@ def test_committed_weights_are_those_dx_was_taken_at(name, atomic):
   for i in range(6):
     before = params["layer"]["w"]
     params, state, used, landed = step(params, state)
-    np.testing.assert_array_equal(params["layer"]["w"], landed,
-                                  err_msg=f"{name}, step {i + 1}")
+    np.testing.assert_array_equal(
+      params["layer"]["w"], landed, err_msg=f"{name}, step {i + 1}"
+    )
     assert not np.array_equal(used, before)  # The weights did move.
     exact += int(np.sum(params["layer"]["w"] == used))
   assert exact >= 0.9 * 6 * N * M, exact
@@ -94,7 +97,8 @@ def _landed(p, new):
 
 def test_stacked_layers_commit_what_each_layer_used():
   """Under immgrad.scan: layer i's input is slice i of an ordinary stacked
-  parameter, so its gradient is layer i's dX, exactly."""
+  parameter, so its gradient is layer i's dX, exactly.
+  """
   layers = 3
   tx = immgrad.shim(optax.adam(0.05))
 
@@ -102,12 +106,15 @@ def test_stacked_layers_commit_what_each_layer_used():
     def body(carry, xs):
       x, p = xs
       return carry + jnp.sum(layer(x, p) * _cotangent()), None
+
     total, _ = immgrad.scan(body, 0.0, (params["x"], params["blocks"]))
     return total
 
   k1, k2 = jax.random.split(jax.random.PRNGKey(1))
-  params = {"x": jax.random.normal(k1, (layers, N, N)),
-            "blocks": {"w": jax.random.normal(k2, (layers, N, M))}}
+  params = {
+    "x": jax.random.normal(k1, (layers, N, N)),
+    "blocks": {"w": jax.random.normal(k2, (layers, N, M))},
+  }
   grad_fn = immgrad.value_and_grad(loss, tx, mode="updated")
 
   @jax.jit
@@ -115,8 +122,12 @@ def test_stacked_layers_commit_what_each_layer_used():
     _, grads = grad_fn(params, state)
     updates, state = tx.update(grads, state, params)
     used = jnp.swapaxes(grads["x"][:, :M], 1, 2)
-    return (optax.apply_updates(params, updates), state, used,
-            _landed(params["blocks"]["w"], used))
+    return (
+      optax.apply_updates(params, updates),
+      state,
+      used,
+      _landed(params["blocks"]["w"], used),
+    )
 
   state = tx.init(params)
   for _ in range(4):

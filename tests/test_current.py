@@ -23,34 +23,37 @@ import oracles
 ATOL, RTOL = 1e-6, 1e-5
 
 OPTIMIZERS = {
-    "sgd": lambda: optax.sgd(0.05),
-    "momentum": lambda: optax.sgd(0.05, momentum=0.9, nesterov=True),
-    "adam": lambda: optax.adam(1e-2),
-    "adamw_schedule": lambda: optax.adamw(
-        optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 5),
-        weight_decay=1e-2),
-    "adafactor": lambda: optax.adafactor(1e-2),
-    "lion": lambda: optax.lion(1e-3),
-    "rmsprop": lambda: optax.rmsprop(1e-3, momentum=0.5),
-    "inject_hyperparams": lambda: optax.inject_hyperparams(optax.adam)(
-        learning_rate=optax.linear_schedule(1e-2, 1e-3, 5)),
-    # Per-layer gradient norms: per parameter leaf, so per-leaf state is
-    # right (once refused, because a cond in its update looked coupling).
-    "novograd": lambda: optax.novograd(1e-2),
+  "sgd": lambda: optax.sgd(0.05),
+  "momentum": lambda: optax.sgd(0.05, momentum=0.9, nesterov=True),
+  "adam": lambda: optax.adam(1e-2),
+  "adamw_schedule": lambda: optax.adamw(
+    optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 5), weight_decay=1e-2
+  ),
+  "adafactor": lambda: optax.adafactor(1e-2),
+  "lion": lambda: optax.lion(1e-3),
+  "rmsprop": lambda: optax.rmsprop(1e-3, momentum=0.5),
+  "inject_hyperparams": lambda: optax.inject_hyperparams(optax.adam)(
+    learning_rate=optax.linear_schedule(1e-2, 1e-3, 5)
+  ),
+  # Per-layer gradient norms: per parameter leaf, so per-leaf state is
+  # right (once refused, because a cond in its update looked coupling).
+  "novograd": lambda: optax.novograd(1e-2),
 }
 
 
 def _mlp():
   chain, params = oracles.mlp([6, 16, 16, 3], jax.random.PRNGKey(0))
   data = oracles.batches(jax.random.PRNGKey(1), 5, (8, 6), (8, 3))
-  return (chain.loss_fn(), chain.loss_fn(immgrad.immediate_layer), params,
-          data)
+  return (chain.loss_fn(), chain.loss_fn(immgrad.immediate_layer), params, data)
 
 
 def _mixed():
-  return (models.loss_fn(), models.loss_fn(immgrad.immediate_layer),
-          models.init(jax.random.PRNGKey(2)),
-          models.batches(jax.random.PRNGKey(3), 5))
+  return (
+    models.loss_fn(),
+    models.loss_fn(immgrad.immediate_layer),
+    models.init(jax.random.PRNGKey(2)),
+    models.batches(jax.random.PRNGKey(3), 5),
+  )
 
 
 @pytest.mark.parametrize("model", [_mlp, _mixed], ids=["mlp", "mixed"])
@@ -59,8 +62,9 @@ def test_current_equals_plain_training(model, name):
   plain_loss, immediate_loss, params, data = model()
   opt = OPTIMIZERS[name]()
   expected = oracles.plain_steps(plain_loss, opt, params, data)
-  got = oracles.immediate_steps(immediate_loss, opt, params, data,
-                                mode="current")
+  got = oracles.immediate_steps(
+    immediate_loss, opt, params, data, mode="current"
+  )
   oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
 
 
@@ -79,9 +83,10 @@ def test_first_step_new_weights_are_bitwise(name):
   plain_loss, immediate_loss, params, data = _mlp()
   opt = OPTIMIZERS[name]()
   expected, _ = oracles.plain_steps(plain_loss, opt, params, data[:1])
-  got, _ = oracles.immediate_steps(immediate_loss, opt, params, data[:1],
-                                   mode="current")
+  got, _ = oracles.immediate_steps(
+    immediate_loss, opt, params, data[:1], mode="current"
+  )
   landed = jax.tree.map(
-      lambda p, new: p + jnp.where(new == p, -0.0, new - p), params,
-      expected[0])
+    lambda p, new: p + jnp.where(new == p, -0.0, new - p), params, expected[0]
+  )
   chex.assert_trees_all_equal(got[0], landed)

@@ -18,8 +18,9 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-BLOCK = re.compile(r"^(<!-- not run: (.+?) -->\n)?```python\n(.*?)^```$",
-                   re.S | re.M)
+BLOCK = re.compile(
+  r"^(<!-- not run: (.+?) -->\n)?```python\n(.*?)^```$", re.S | re.M
+)
 OPTIONAL = ("flax", "equinox", "orbax")
 
 
@@ -38,14 +39,23 @@ def readme_scope():
   return scope
 
 
-PAGES = sorted(p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md")
-               if any(reason is None for _, reason in blocks(p)))
+PAGES = sorted(
+  p.relative_to(DOCS).as_posix()
+  for p in DOCS.rglob("*.md")
+  if any(reason is None for _, reason in blocks(p))
+)
 
 
 def test_the_pages_have_runnable_examples():
   # Guards the block pattern: a change that found no block would pass below.
-  assert {"training-step.md", "haiku.md", "equinox.md", "stacked.md",
-          "data-parallel.md", "optimizer.md"} <= set(PAGES)
+  assert {
+    "training-step.md",
+    "haiku.md",
+    "equinox.md",
+    "stacked.md",
+    "data-parallel.md",
+    "optimizer.md",
+  } <= set(PAGES)
   every = sum((blocks(p) for p in DOCS.rglob("*.md")), [])
   fences = sum(p.read_text().count("```python") for p in DOCS.rglob("*.md"))
   assert len(every) == fences, "a ```python block the pattern does not read"
@@ -75,12 +85,17 @@ def _links(path):
 def _anchors(path):
   """GitHub's and MkDocs' anchors of a page's headings."""
   text = re.sub(r"^```.*?^```$", "", path.read_text(), flags=re.S | re.M)
-  return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
-          for h in re.findall(r"^#+ (.*)$", text, re.M)}
+  return {
+    re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+    for h in re.findall(r"^#+ (.*)$", text, re.M)
+  }
 
 
-@pytest.mark.parametrize("path", ["README.md"] + [
-    os.path.join("docs", p.relative_to(DOCS)) for p in DOCS.rglob("*.md")])
+@pytest.mark.parametrize(
+  "path",
+  ["README.md"]
+  + [os.path.join("docs", p.relative_to(DOCS)) for p in DOCS.rglob("*.md")],
+)
 def test_relative_links_reach_a_file_and_heading(path):
   path = ROOT / path
   for link in _links(path):
@@ -91,4 +106,5 @@ def test_relative_links_reach_a_file_and_heading(path):
     assert target.exists(), f"{path.name} links to {link}: no such file"
     if anchor and target.suffix == ".md":
       assert anchor in _anchors(target), (
-          f"{path.name} links to {link}: no such heading")
+        f"{path.name} links to {link}: no such heading"
+      )

@@ -25,8 +25,10 @@ import threading
 import pytest
 
 pytest.importorskip(
-    "equinox", reason="immgrad.equinox needs the equinox extra "
-    "(equinox 0.13.8 refuses jax 0.7.0 and 0.7.1)")
+  "equinox",
+  reason="immgrad.equinox needs the equinox extra "
+  "(equinox 0.13.8 refuses jax 0.7.0 and 0.7.1)",
+)
 # pylint: disable=g-import-not-at-top,wrong-import-position
 
 import chex
@@ -65,8 +67,8 @@ def _runs(loss_fn, opt, params, batches, mode="current", atomic=True):
   @eqx.filter_jit
   def immediate_step(params, state, *batch):
     out, grads = immgrad.value_and_grad(
-        immgrad.equinox.immediate(loss_fn), tx, mode=mode)(
-            params, state, *batch)
+      immgrad.equinox.immediate(loss_fn), tx, mode=mode
+    )(params, state, *batch)
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state, out
 
@@ -78,33 +80,53 @@ def _runs(loss_fn, opt, params, batches, mode="current", atomic=True):
       outs.append(out)
     return history, outs
 
-  return (run(immediate_step, tx.init(params)),
-          run(plain_step, opt.init(params)))
+  return (
+    run(immediate_step, tx.init(params)),
+    run(plain_step, opt.init(params)),
+  )
 
 
 # -- each module, alone: bitwise forward, the batch gradient, Stepped -------
 
 _KEYS = jax.random.split(jax.random.PRNGKey(0), 8)
 MODULES = {
-    "linear": (eqx.nn.Linear(3, 5, key=_KEYS[0]), (3,)),
-    "linear_bf16_no_bias": (eqx.nn.Linear(3, 5, use_bias=False,
-                                          dtype=jnp.bfloat16, key=_KEYS[1]),
-                            (3,)),
-    "linear_scalar": (eqx.nn.Linear("scalar", "scalar", key=_KEYS[2]), ()),
-    "conv2d_same": (eqx.nn.Conv2d(2, 4, 3, padding="SAME", key=_KEYS[3]),
-                    (2, 6, 6)),
-    "conv2d_replicate": (eqx.nn.Conv2d(2, 3, 3, padding=1,
-                                       padding_mode="REPLICATE",
-                                       key=_KEYS[2]), (2, 5, 5)),
-    "conv1d_groups_reflect": (eqx.nn.Conv1d(
-        4, 6, 3, stride=2, dilation=2, groups=2, padding=2,
-        padding_mode="REFLECT", key=_KEYS[4]), (4, 9)),
-    "conv3d_circular": (eqx.nn.Conv3d(1, 2, 2, padding="SAME",
-                                      padding_mode="CIRCULAR", key=_KEYS[5]),
-                        (1, 4, 4, 4)),
-    "layer_norm": (eqx.nn.LayerNorm((3, 5)), (3, 5)),
-    "rms_norm_with_bias": (eqx.nn.RMSNorm(5, use_bias=True), (5,)),
-    "embedding": (eqx.nn.Embedding(11, 4, key=_KEYS[6]), "ids"),
+  "linear": (eqx.nn.Linear(3, 5, key=_KEYS[0]), (3,)),
+  "linear_bf16_no_bias": (
+    eqx.nn.Linear(3, 5, use_bias=False, dtype=jnp.bfloat16, key=_KEYS[1]),
+    (3,),
+  ),
+  "linear_scalar": (eqx.nn.Linear("scalar", "scalar", key=_KEYS[2]), ()),
+  "conv2d_same": (
+    eqx.nn.Conv2d(2, 4, 3, padding="SAME", key=_KEYS[3]),
+    (2, 6, 6),
+  ),
+  "conv2d_replicate": (
+    eqx.nn.Conv2d(2, 3, 3, padding=1, padding_mode="REPLICATE", key=_KEYS[2]),
+    (2, 5, 5),
+  ),
+  "conv1d_groups_reflect": (
+    eqx.nn.Conv1d(
+      4,
+      6,
+      3,
+      stride=2,
+      dilation=2,
+      groups=2,
+      padding=2,
+      padding_mode="REFLECT",
+      key=_KEYS[4],
+    ),
+    (4, 9),
+  ),
+  "conv3d_circular": (
+    eqx.nn.Conv3d(
+      1, 2, 2, padding="SAME", padding_mode="CIRCULAR", key=_KEYS[5]
+    ),
+    (1, 4, 4, 4),
+  ),
+  "layer_norm": (eqx.nn.LayerNorm((3, 5)), (3, 5)),
+  "rms_norm_with_bias": (eqx.nn.RMSNorm(5, use_bias=True), (5,)),
+  "embedding": (eqx.nn.Embedding(11, 4, key=_KEYS[6]), "ids"),
 }
 
 
@@ -113,8 +135,9 @@ def _randomised(module):
   params, static = eqx.partition(module, eqx.is_inexact_array)
   leaves, treedef = jax.tree.flatten(params)
   keys = jax.random.split(_KEYS[7], len(leaves))
-  leaves = [jax.random.normal(k, a.shape, a.dtype) for k, a in
-            zip(keys, leaves)]
+  leaves = [
+    jax.random.normal(k, a.shape, a.dtype) for k, a in zip(keys, leaves)
+  ]
   return treedef.unflatten(leaves), static
 
 
@@ -132,9 +155,11 @@ def test_each_module_reproduces_equinox_and_steps_on_the_batch(name):
     return jnp.sum(jnp.sin(out.astype(jnp.float32)))
 
   tx = immgrad.shim(optax.sgd(0.1))
-  loss, grads = jax.jit(immgrad.value_and_grad(
-      immgrad.equinox.immediate(loss_fn), tx, mode="current"))(
-          params, tx.init(params), x)
+  loss, grads = jax.jit(
+    immgrad.value_and_grad(
+      immgrad.equinox.immediate(loss_fn), tx, mode="current"
+    )
+  )(params, tx.init(params), x)
   plain_loss, plain_grads = jax.jit(jax.value_and_grad(loss_fn))(params, x)
   assert jnp.array_equal(loss, plain_loss)  # The forward pass, bitwise.
   assert set(_kinds(grads)) == {"ImmediateGrad"}, _kinds(grads)
@@ -151,11 +176,13 @@ def test_the_patched_classes_define_call_themselves():
     assert "__call__" in cls.__dict__, cls
   for cls in (eqx.nn.Conv1d, eqx.nn.Conv2d, eqx.nn.Conv3d):
     assert "__call__" not in cls.__dict__, cls
-  originals = [cls.__dict__["__call__"]
-               for cls in immgrad.equinox.DEFAULT_MODULES]
+  originals = [
+    cls.__dict__["__call__"] for cls in immgrad.equinox.DEFAULT_MODULES
+  ]
   immgrad.equinox.immediate(lambda: None)()
-  assert [cls.__dict__["__call__"] for cls in
-          immgrad.equinox.DEFAULT_MODULES] == originals  # Restored.
+  assert [
+    cls.__dict__["__call__"] for cls in immgrad.equinox.DEFAULT_MODULES
+  ] == originals  # Restored.
 
 
 def test_other_threads_see_equinox_while_a_model_runs():
@@ -166,8 +193,9 @@ def test_other_threads_see_equinox_while_a_model_runs():
   def other_thread():  # In a step of its own, but not wrapped: ordinary.
     tx = immgrad.shim(optax.sgd(0.1))
     loss = lambda p, x: jnp.sum(eqx.combine(p, static)(x))
-    _, grads = immgrad.value_and_grad(loss, tx)(params, tx.init(params),
-                                               jnp.ones(3))
+    _, grads = immgrad.value_and_grad(loss, tx)(
+      params, tx.init(params), jnp.ones(3)
+    )
     seen.extend(_kinds(grads))
 
   def fn():
@@ -181,23 +209,25 @@ def test_other_threads_see_equinox_while_a_model_runs():
 
 # -- a CNN, as in Equinox's MNIST example ----------------------------------
 
+
 class CNN(eqx.Module):
   """Equinox's CNN example: per-example ``__call__`` on a (1, 8, 8) image."""
+
   layers: list
 
   def __init__(self, key):
     k1, k2, k3, k4 = jax.random.split(key, 4)
     self.layers = [
-        eqx.nn.Conv2d(1, 4, kernel_size=3, key=k1),
-        eqx.nn.MaxPool2d(kernel_size=2),
-        jax.nn.relu,
-        jnp.ravel,
-        eqx.nn.Linear(4 * 5 * 5, 32, key=k2),
-        jax.nn.sigmoid,
-        eqx.nn.Linear(32, 16, key=k3),
-        jax.nn.relu,
-        eqx.nn.Linear(16, 10, key=k4),
-        jax.nn.log_softmax,
+      eqx.nn.Conv2d(1, 4, kernel_size=3, key=k1),
+      eqx.nn.MaxPool2d(kernel_size=2),
+      jax.nn.relu,
+      jnp.ravel,
+      eqx.nn.Linear(4 * 5 * 5, 32, key=k2),
+      jax.nn.sigmoid,
+      eqx.nn.Linear(32, 16, key=k3),
+      jax.nn.relu,
+      eqx.nn.Linear(16, 10, key=k4),
+      jax.nn.log_softmax,
     ]
 
   def __call__(self, x):
@@ -210,9 +240,13 @@ def _cnn_setup():
   model = CNN(jax.random.PRNGKey(0))
   params, static = eqx.partition(model, eqx.is_inexact_array)
   keys = jax.random.split(jax.random.PRNGKey(1), 2 * STEPS)
-  data = [(jax.random.normal(keys[2 * i], (16, 1, 8, 8)),
-           jax.random.randint(keys[2 * i + 1], (16,), 0, 10))
-          for i in range(STEPS)]
+  data = [
+    (
+      jax.random.normal(keys[2 * i], (16, 1, 8, 8)),
+      jax.random.randint(keys[2 * i + 1], (16,), 0, 10),
+    )
+    for i in range(STEPS)
+  ]
 
   def loss_fn(params, x, y):
     model = eqx.combine(params, static)
@@ -222,8 +256,9 @@ def _cnn_setup():
   return params, data, loss_fn
 
 
-@pytest.mark.parametrize("opt", [optax.sgd(0.1), optax.adam(1e-2)],
-                         ids=["sgd", "adam"])
+@pytest.mark.parametrize(
+  "opt", [optax.sgd(0.1), optax.adam(1e-2)], ids=["sgd", "adam"]
+)
 def test_cnn_current_equals_plain_equinox(opt):
   params, data, loss_fn = _cnn_setup()
   got, expected = _runs(loss_fn, opt, params, data)
@@ -239,6 +274,7 @@ VOCAB, SEQ, D, HEADS = 13, 6, 16, 2
 
 class Block(eqx.Module):
   """A pre-norm transformer block on one sequence, with dropout."""
+
   norm1: eqx.nn.LayerNorm
   attention: eqx.nn.MultiheadAttention
   norm2: eqx.nn.RMSNorm
@@ -248,8 +284,7 @@ class Block(eqx.Module):
   def __init__(self, key):
     k1, k2 = jax.random.split(key)
     self.norm1 = eqx.nn.LayerNorm(D)
-    self.attention = eqx.nn.MultiheadAttention(HEADS, D, dropout_p=0.1,
-                                               key=k1)
+    self.attention = eqx.nn.MultiheadAttention(HEADS, D, dropout_p=0.1, key=k1)
     self.norm2 = eqx.nn.RMSNorm(D)
     self.mlp = eqx.nn.MLP(D, D, 2 * D, 1, activation=jax.nn.gelu, key=k2)
     self.dropout = eqx.nn.Dropout(0.1)
@@ -289,24 +324,27 @@ def test_transformer_with_dropout_current_equals_plain_equinox():
   model = Transformer(jax.random.PRNGKey(0))
   params, static = eqx.partition(model, eqx.is_inexact_array)
   keys = jax.random.split(jax.random.PRNGKey(1), 2 * STEPS)
-  data = [(jax.random.randint(keys[2 * i], (4, SEQ + 1), 0, VOCAB),
-           keys[2 * i + 1]) for i in range(STEPS)]
+  data = [
+    (jax.random.randint(keys[2 * i], (4, SEQ + 1), 0, VOCAB), keys[2 * i + 1])
+    for i in range(STEPS)
+  ]
 
   def loss_fn(params, tokens, key):
     model = eqx.combine(params, static)
     keys = jax.random.split(key, tokens.shape[0])  # Dropout per example.
     logits = jax.vmap(model)(tokens[:, :-1], keys)
     return optax.softmax_cross_entropy_with_integer_labels(
-        logits, tokens[:, 1:]).mean()
+      logits, tokens[:, 1:]
+    ).mean()
 
   # atomic=False: the atomic check is tested on the other models, and
   # doubles this one's compile time.
-  got, expected = _runs(loss_fn, optax.adam(1e-3), params, data,
-                        atomic=False)
+  got, expected = _runs(loss_fn, optax.adam(1e-3), params, data, atomic=False)
   oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
 
 
 # -- BatchNorm state, a collective over the vmap axis ----------------------
+
 
 class Normalised(eqx.Module):
   linear1: eqx.nn.Linear
@@ -333,8 +371,9 @@ def test_batch_norm_state_under_vmap_axis_name():
 
   def loss_fn(params, x, y, state):
     model = eqx.combine(params, static)
-    out, state = jax.vmap(model, axis_name="batch", in_axes=(0, None),
-                          out_axes=(0, None))(x, state)
+    out, state = jax.vmap(
+      model, axis_name="batch", in_axes=(0, None), out_axes=(0, None)
+    )(x, state)
     return oracles.mse(out, y), state
 
   tx = immgrad.shim(optax.adam(1e-2))
@@ -343,15 +382,16 @@ def test_batch_norm_state_under_vmap_axis_name():
   @eqx.filter_jit
   def immediate_step(p, s, st, x, y):
     (loss, st), grads = immgrad.value_and_grad(
-        immgrad.equinox.immediate(loss_fn), tx, mode="current",
-        has_aux=True)(p, s, x, y, st)
+      immgrad.equinox.immediate(loss_fn), tx, mode="current", has_aux=True
+    )(p, s, x, y, st)
     updates, s = tx.update(grads, s, p)
     return optax.apply_updates(p, updates), s, st, loss, grads
 
   @eqx.filter_jit
   def plain_step(p, s, st, x, y):
     (loss, st), grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(
-        p, x, y, st)
+      p, x, y, st
+    )
     updates, s = opt.update(grads, s, p)
     return optax.apply_updates(p, updates), s, st, loss
 
@@ -363,8 +403,18 @@ def test_batch_norm_state_under_vmap_axis_name():
     chex.assert_trees_all_close(loss_a, loss_b, atol=ATOL, rtol=RTOL)
   chex.assert_trees_all_close(a[0], b[0], atol=ATOL, rtol=RTOL)
   chex.assert_trees_all_close(a[2], b[2], atol=ATOL, rtol=RTOL)  # The state.
-  kinds = dict(zip(["linear1.weight", "norm.bias", "norm.weight",
-                    "linear2.bias", "linear2.weight"], _kinds(grads)))
+  kinds = dict(
+    zip(
+      [
+        "linear1.weight",
+        "norm.bias",
+        "norm.weight",
+        "linear2.bias",
+        "linear2.weight",
+      ],
+      _kinds(grads),
+    )
+  )
   # BatchNorm's own weight and bias are ordinary; the Linears immediate.
   assert kinds["norm.weight"] != "ImmediateGrad", kinds
   assert kinds["linear1.weight"] == "ImmediateGrad", kinds
@@ -372,13 +422,15 @@ def test_batch_norm_state_under_vmap_axis_name():
 
 # -- mode="updated": the sequential re-linearization -----------------------
 
+
 class Chain(eqx.Module):
   layers: list
 
   def __init__(self, sizes, key):
     keys = jax.random.split(key, len(sizes) - 1)
-    self.layers = [eqx.nn.Linear(a, b, key=k)
-                   for a, b, k in zip(sizes[:-1], sizes[1:], keys)]
+    self.layers = [
+      eqx.nn.Linear(a, b, key=k) for a, b, k in zip(sizes[:-1], sizes[1:], keys)
+    ]
 
   def __call__(self, x):
     for layer in self.layers[:-1]:
@@ -386,8 +438,9 @@ class Chain(eqx.Module):
     return self.layers[-1](x)
 
 
-@pytest.mark.parametrize("vmap", [jax.vmap, eqx.filter_vmap],
-                         ids=["jax.vmap", "eqx.filter_vmap"])
+@pytest.mark.parametrize(
+  "vmap", [jax.vmap, eqx.filter_vmap], ids=["jax.vmap", "eqx.filter_vmap"]
+)
 def test_chain_updated_equals_sequential_from_plain_equinox(vmap):
   model = Chain((5, 8, 8, 3), jax.random.PRNGKey(0))
   params, static = eqx.partition(model, eqx.is_inexact_array)
@@ -398,8 +451,12 @@ def test_chain_updated_equals_sequential_from_plain_equinox(vmap):
   def plain_layer(i):  # Equinox's own Linear, vmapped over the batch.
     return lambda x, p: jax.vmap(eqx.combine(p, statics[i]))(x)
 
-  chain = oracles.Chain(tuple(plain_layer(i) for i in range(3)), names,
-                        (jnp.tanh, jnp.tanh, oracles.identity), oracles.mse)
+  chain = oracles.Chain(
+    tuple(plain_layer(i) for i in range(3)),
+    names,
+    (jnp.tanh, jnp.tanh, oracles.identity),
+    oracles.mse,
+  )
   by_name = lambda p: dict(zip(names, p.layers))
   opt = optax.adam(1e-2)
   expected = oracles.sequential_steps(chain, opt, by_name(params), data)
@@ -414,9 +471,11 @@ def test_chain_updated_equals_sequential_from_plain_equinox(vmap):
 
 # -- choosing modules, and what is refused ---------------------------------
 
+
 def test_modules_picks_some():
-  model = eqx.nn.Sequential([eqx.nn.Linear(3, 4, key=_KEYS[0]),
-                             eqx.nn.LayerNorm(4)])
+  model = eqx.nn.Sequential(
+    [eqx.nn.Linear(3, 4, key=_KEYS[0]), eqx.nn.LayerNorm(4)]
+  )
   params, static = eqx.partition(model, eqx.is_inexact_array)
 
   def loss_fn(params, x):
@@ -424,8 +483,8 @@ def test_modules_picks_some():
 
   tx = immgrad.shim(optax.sgd(0.1))
   _, grads = immgrad.value_and_grad(
-      immgrad.equinox.immediate(loss_fn, modules=(eqx.nn.Linear,)), tx)(
-          params, tx.init(params), jnp.ones((2, 3)))
+    immgrad.equinox.immediate(loss_fn, modules=(eqx.nn.Linear,)), tx
+  )(params, tx.init(params), jnp.ones((2, 3)))
   kinds = _kinds(grads)
   assert kinds[:2] == ["ImmediateGrad"] * 2, kinds  # Linear: weight, bias.
   assert "ImmediateGrad" not in kinds[2:], kinds  # LayerNorm: ordinary.
@@ -439,8 +498,12 @@ def test_conv_transpose_stays_ordinary_and_trains_like_plain():
   model = eqx.nn.ConvTranspose2d(2, 3, 3, key=_KEYS[0])
   params, static = eqx.partition(model, eqx.is_inexact_array)
   keys = jax.random.split(_KEYS[1], 2)
-  data = [(jax.random.normal(keys[0], (4, 2, 5, 5)),
-           jax.random.normal(keys[1], (4, 3, 7, 7)))]
+  data = [
+    (
+      jax.random.normal(keys[0], (4, 2, 5, 5)),
+      jax.random.normal(keys[1], (4, 3, 7, 7)),
+    )
+  ]
 
   def loss_fn(params, x, y):
     return oracles.mse(jax.vmap(eqx.combine(params, static))(x), y)
@@ -452,7 +515,8 @@ def test_conv_transpose_stays_ordinary_and_trains_like_plain():
 def test_stacked_weights_mapped_by_vmap_are_refused():
   """An ensemble: weights mapped by vmap would need a step per member."""
   ensemble = eqx.filter_vmap(lambda k: eqx.nn.Linear(3, 2, key=k))(
-      jax.random.split(_KEYS[0], 4))
+    jax.random.split(_KEYS[0], 4)
+  )
   params, static = eqx.partition(ensemble, eqx.is_inexact_array)
 
   def loss_fn(params, x):
@@ -475,8 +539,9 @@ def test_scanned_mlp_is_refused():
 
   tx = immgrad.shim(optax.sgd(0.1))
   step = immgrad.value_and_grad(immgrad.equinox.immediate(loss_fn), tx)
-  with pytest.raises(ValueError, match="'Linear \\(Equinox\\)'.*not a "
-                     "parameter"):
+  with pytest.raises(
+    ValueError, match="'Linear \\(Equinox\\)'.*not a parameter"
+  ):
     step(params, tx.init(params), jnp.ones((4, 3)))
 
 
@@ -485,17 +550,25 @@ def test_outside_a_step_the_model_is_equinox():
   params, data, loss_fn = _cnn_setup()
   x, y = data[0]
   chex.assert_trees_all_equal(
-      jax.value_and_grad(immgrad.equinox.immediate(loss_fn))(params, x, y),
-      jax.value_and_grad(loss_fn)(params, x, y))
+    jax.value_and_grad(immgrad.equinox.immediate(loss_fn))(params, x, y),
+    jax.value_and_grad(loss_fn)(params, x, y),
+  )
 
 
 def test_import_without_equinox_says_what_to_install():
-  code = ("import sys; sys.modules['equinox'] = None\n"
-          "try:\n  import immgrad.equinox\n"
-          "except ImportError as e:\n  print(e)\n")
-  done = subprocess.run([sys.executable, "-c", code], cwd=ROOT,
-                        capture_output=True, text=True, timeout=120,
-                        env={**os.environ, "PYTHONPATH": str(ROOT)})
+  code = (
+    "import sys; sys.modules['equinox'] = None\n"
+    "try:\n  import immgrad.equinox\n"
+    "except ImportError as e:\n  print(e)\n"
+  )
+  done = subprocess.run(
+    [sys.executable, "-c", code],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=120,
+    env={**os.environ, "PYTHONPATH": str(ROOT)},
+  )
   assert 'pip install "immgrad[equinox]"' in done.stdout, done.stderr
 
 
@@ -504,9 +577,15 @@ def test_equinox_digits_example_learns():
   env.pop("XLA_FLAGS", None)
   env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
   done = subprocess.run(
-      [sys.executable, "examples/equinox_digits.py", "--epochs", "2"],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    [sys.executable, "examples/equinox_digits.py", "--epochs", "2"],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-  accuracy = [float(a) for a in
-              re.findall(r"test accuracy ([\d.]+)", done.stdout)]
+  accuracy = [
+    float(a) for a in re.findall(r"test accuracy ([\d.]+)", done.stdout)
+  ]
   assert len(accuracy) == 2 and accuracy[-1] > 0.8, done.stdout

@@ -13,8 +13,14 @@ def _run(*args):
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)
   env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-  done = subprocess.run([sys.executable, *args], cwd=ROOT, env=env,
-                        capture_output=True, text=True, timeout=300)
+  done = subprocess.run(
+    [sys.executable, *args],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
   return done.stdout
 

@@ -36,15 +36,30 @@ def _run(tmp_path, *args, name="out", devices=2, cache=True):
     # this run's tests (in tmp_path's parent) halves a run's CPU time once
     # warm, with the same numbers. The runs are one at a time (xdist keeps
     # a module in one worker), so no two processes write it at once.
-    env.update(JAX_COMPILATION_CACHE_DIR=str(tmp_path.parent / "jax_cache"),
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    env.update(
+      JAX_COMPILATION_CACHE_DIR=str(tmp_path.parent / "jax_cache"),
+      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+    )
   out = tmp_path / name
   chosen = ("--devices", str(devices)) if devices else ()
   done = subprocess.run(
-      [sys.executable, "-m", "immgrad.experiments", "--no-progress",
-       *chosen, "--out", str(out), *args],
-      env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    [
+      sys.executable,
+      "-m",
+      "immgrad.experiments",
+      "--no-progress",
+      *chosen,
+      "--out",
+      str(out),
+      *args,
+    ],
+    env=env,
+    cwd=tmp_path,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
   return done, out
 
 
@@ -58,7 +73,8 @@ def test_digits_end_to_end_and_deterministic(tmp_path):
   assert (out / "loss_curves.png").stat().st_size > 10_000
   runs = results["runs"]
   assert {(r["method"], r["seed"]) for r in runs} == {
-      (m, s) for m in train.METHODS for s in (0, 1)}
+    (m, s) for m in train.METHODS for s in (0, 1)
+  }
   for r in runs:
     assert len(r["losses"]) == 30 and all(map(math.isfinite, r["losses"]))
     assert r["losses"][-1] < r["losses"][0]  # It trained.
@@ -69,8 +85,9 @@ def test_digits_end_to_end_and_deterministic(tmp_path):
   assert by["plain", 0]["losses"][0] == by["updated", 0]["losses"][0]
   # ...and updated then differs, while current tracks plain.
   assert by["plain", 0]["losses"][-1] != by["updated", 0]["losses"][-1]
-  np.testing.assert_allclose(by["current", 0]["losses"],
-                             by["plain", 0]["losses"], rtol=1e-4)
+  np.testing.assert_allclose(
+    by["current", 0]["losses"], by["plain", 0]["losses"], rtol=1e-4
+  )
   assert results["aggregates"]["0.003"]["plain"]["final_train_loss"]["n"] == 2
   assert results["machine"]["devices"] and results["settings"]["devices"] == 2
 
@@ -82,8 +99,18 @@ def test_digits_end_to_end_and_deterministic(tmp_path):
 
 
 def test_lr_sweep_reports_divergence(tmp_path):
-  done, out = _run(tmp_path, "--quick", "--steps", "15", "--optimizer",
-                   "sgd", "--lr-sweep", "--lrs", "0.1", "1e6")
+  done, out = _run(
+    tmp_path,
+    "--quick",
+    "--steps",
+    "15",
+    "--optimizer",
+    "sgd",
+    "--lr-sweep",
+    "--lrs",
+    "0.1",
+    "1e6",
+  )
   assert done.returncode == 0, done.stderr[-3000:]
   sweep = json.loads((out / "results.json").read_text())["lr_sweep"]
   for method in train.METHODS:
@@ -93,8 +120,18 @@ def test_lr_sweep_reports_divergence(tmp_path):
 
 
 def test_chars_on_a_given_text(tmp_path):
-  done, out = _run(tmp_path, "--task", "chars", "--quick", "--steps", "6",
-                   "--seeds", "3", "--text", str(ROOT / "README.md"))
+  done, out = _run(
+    tmp_path,
+    "--task",
+    "chars",
+    "--quick",
+    "--steps",
+    "6",
+    "--seeds",
+    "3",
+    "--text",
+    str(ROOT / "README.md"),
+  )
   assert done.returncode == 0, done.stderr[-3000:]
   results = json.loads((out / "results.json").read_text())
   assert "README.md" in results["task"]
@@ -104,26 +141,31 @@ def test_chars_on_a_given_text(tmp_path):
 
 
 def _run_record(losses, seconds=None, diverged_at=None):
-  run = train.Run("x", losses=list(losses),
-                  seconds=list(seconds or [1.0] * len(losses)),
-                  diverged_at=diverged_at)
-  run.evals = [{"step": 0, "train_loss": 3.0, "heldout_loss": 3.5},
-               {"step": len(losses), "train_loss": 1.0, "heldout_loss": 1.5}]
+  run = train.Run(
+    "x",
+    losses=list(losses),
+    seconds=list(seconds or [1.0] * len(losses)),
+    diverged_at=diverged_at,
+  )
+  run.evals = [
+    {"step": 0, "train_loss": 3.0, "heldout_loss": 3.5},
+    {"step": len(losses), "train_loss": 1.0, "heldout_loss": 1.5},
+  ]
   return run
 
 
 def test_smoothing_is_a_trailing_mean():
-  np.testing.assert_allclose(report.smoothed([4, 2, 6, 8], 2),
-                             [4, 3, 4, 7])
+  np.testing.assert_allclose(report.smoothed([4, 2, 6, 8], 2), [4, 3, 4, 7])
 
 
 def test_target_is_reached_by_every_method_that_did_not_diverge():
-  runs = {"plain": _run_record([5, 4, 3, 2, 1] * 4),
-          "current": _run_record([5, 4, 3, 2, 1.5] * 4),
-          "updated": _run_record([5, math.nan], diverged_at=2)}
+  runs = {
+    "plain": _run_record([5, 4, 3, 2, 1] * 4),
+    "current": _run_record([5, 4, 3, 2, 1.5] * 4),
+    "updated": _run_record([5, math.nan], diverged_at=2),
+  }
   target = report.default_target(runs, 20)
-  assert target == pytest.approx(report.smoothed(
-      runs["current"].losses, 2)[-1])
+  assert target == pytest.approx(report.smoothed(runs["current"].losses, 2)[-1])
   for method in ("plain", "current"):
     summary = report.summarise(runs[method], runs["plain"], 20, target)
     assert summary["steps_to_target"] is not None
@@ -138,22 +180,26 @@ def test_step_time_ratio_and_aggregate():
   slow = _run_record([1.0] * 5, seconds=[2, 2, 2, 2, 2])
   summary = report.summarise(slow, plain, 5, None)
   assert summary["step_time_ratio"] == 2.0  # Medians: 2 / 1.
-  agg = report.aggregate([{"a": 1.0, "diverged_at": None},
-                          {"a": 3.0, "diverged_at": 7}])
+  agg = report.aggregate(
+    [{"a": 1.0, "diverged_at": None}, {"a": 3.0, "diverged_at": 7}]
+  )
   assert agg["a"]["mean"] == 2.0 and agg["a"]["std"] == pytest.approx(
-      math.sqrt(2))
+    math.sqrt(2)
+  )
   assert agg["diverged_runs"] == 1 and agg["diverged_at"] == [7]
 
 
 # -- issue 16: between the modes ------------------------------------------
+
 
 def _by(runs):
   return {(r["method"], r["lr"], r["seed"]): r for r in runs}
 
 
 def test_mode_sweep_a0_is_plain_and_a_fraction_is_between(tmp_path):
-  done, out = _run(tmp_path, "--quick", "--steps", "12", "--seeds", "0",
-                   "--modes", "0.5", "1")
+  done, out = _run(
+    tmp_path, "--quick", "--steps", "12", "--seeds", "0", "--modes", "0.5", "1"
+  )
   assert done.returncode == 0, done.stderr[-3000:]
   # 0 is always added: it is the reference of the sanity check.
   assert "Sanity check (a=0 reproduces plain): PASSED" in done.stdout
@@ -162,8 +208,10 @@ def test_mode_sweep_a0_is_plain_and_a_fraction_is_between(tmp_path):
   assert results["settings"]["methods"] == ["plain", "a=0", "a=0.5", "a=1"]
   by = _by(results["runs"])
   lr = results["settings"]["lr"]
-  loss = {m: np.asarray(by[m, lr, 0]["losses"]) for m in
-          ("plain", "a=0", "a=0.5", "a=1")}
+  loss = {
+    m: np.asarray(by[m, lr, 0]["losses"])
+    for m in ("plain", "a=0", "a=0.5", "a=1")
+  }
   # a=0 is ordinary training: plain to float rounding (1e-4, the sanity
   # check's tolerance; the two programs fuse differently).
   np.testing.assert_allclose(loss["a=0"], loss["plain"], rtol=1e-4)
@@ -180,20 +228,35 @@ def test_mode_sweep_a0_is_plain_and_a_fraction_is_between(tmp_path):
   gap = loss["a=1"][1] - loss["a=0"][1]
   assert abs(gap) > 1e-5
   assert abs(loss["a=0.5"][1] - (loss["a=0"][1] + loss["a=1"][1]) / 2) < (
-      0.25 * abs(gap))
+    0.25 * abs(gap)
+  )
   verdict = results["mode_sweep"][str(lr)]["verdict"]
-  assert verdict["final_smoothed_train_loss"]["best"] in ("a=0", "a=0.5",
-                                                           "a=1")
+  assert verdict["final_smoothed_train_loss"]["best"] in ("a=0", "a=0.5", "a=1")
 
 
 def test_mode_sweep_with_lr_sweep_is_a_grid(tmp_path):
-  done, out = _run(tmp_path, "--quick", "--steps", "8", "--seeds", "0",
-                   "--optimizer", "sgd", "--lr-sweep", "--lrs", "0.05",
-                   "1e6", "--modes", "0", "-0.5")
+  done, out = _run(
+    tmp_path,
+    "--quick",
+    "--steps",
+    "8",
+    "--seeds",
+    "0",
+    "--optimizer",
+    "sgd",
+    "--lr-sweep",
+    "--lrs",
+    "0.05",
+    "1e6",
+    "--modes",
+    "0",
+    "-0.5",
+  )
   assert done.returncode == 0, done.stderr[-3000:]
   results = json.loads((out / "results.json").read_text())
   assert {(r["method"], r["lr"]) for r in results["runs"]} == {
-      (m, lr) for m in ("plain", "a=0", "a=-0.5") for lr in (0.05, 1e6, 0.1)}
+    (m, lr) for m in ("plain", "a=0", "a=-0.5") for lr in (0.05, 1e6, 0.1)
+  }
   sweep = results["lr_sweep"]
   for method in ("plain", "a=0", "a=-0.5"):
     assert sweep[method]["lowest_diverging_lr"] == 1e6
@@ -202,10 +265,26 @@ def test_mode_sweep_with_lr_sweep_is_a_grid(tmp_path):
 
 
 def test_measure_dx_per_layer_and_linear_in_lr(tmp_path):
-  done, out = _run(tmp_path, "--quick", "--steps", "4", "--seeds", "0",
-                   "--optimizer", "sgd", "--lr-sweep", "--lrs", "0.01",
-                   "0.02", "--lr", "0.01", "--modes", "0", "1",
-                   "--measure-dx")
+  done, out = _run(
+    tmp_path,
+    "--quick",
+    "--steps",
+    "4",
+    "--seeds",
+    "0",
+    "--optimizer",
+    "sgd",
+    "--lr-sweep",
+    "--lrs",
+    "0.01",
+    "0.02",
+    "--lr",
+    "0.01",
+    "--modes",
+    "0",
+    "1",
+    "--measure-dx",
+  )
   assert done.returncode == 0, done.stderr[-3000:]
   assert (out / "dx_change.png").stat().st_size > 10_000
   assert "dX change" in done.stdout
@@ -226,21 +305,35 @@ def test_measure_dx_per_layer_and_linear_in_lr(tmp_path):
   # lr. Stored to 4 significant digits: rtol 1e-3.
   for layer in layers:
     np.testing.assert_allclose(
-        by["a=0", 0.02, 0]["dx_change"][layer][0],
-        2 * by["a=0", 0.01, 0]["dx_change"][layer][0], rtol=1e-3)
+      by["a=0", 0.02, 0]["dx_change"][layer][0],
+      2 * by["a=0", 0.01, 0]["dx_change"][layer][0],
+      rtol=1e-3,
+    )
   # The top layer's dy is the loss's at the same parameters for every a:
   # its step-1 ratio is the same under a=0 and a=1.
-  np.testing.assert_allclose(by["a=1", 0.01, 0]["dx_change"]["linear_1"][0],
-                             by["a=0", 0.01, 0]["dx_change"]["linear_1"][0],
-                             rtol=1e-3)
+  np.testing.assert_allclose(
+    by["a=1", 0.01, 0]["dx_change"]["linear_1"][0],
+    by["a=0", 0.01, 0]["dx_change"]["linear_1"][0],
+    rtol=1e-3,
+  )
   rows = results["dx_change"]
   assert {(r["method"], r["lr"]) for r in rows} == {
-      (m, lr) for m in ("a=0", "a=1") for lr in (0.01, 0.02)}
+    (m, lr) for m in ("a=0", "a=1") for lr in (0.01, 0.02)
+  }
 
 
 def test_deep_mlp_builds_and_trains(tmp_path):
-  done, out = _run(tmp_path, "--task", "deep_mlp", "--steps", "8",
-                   "--seeds", "0", "--modes", "0")
+  done, out = _run(
+    tmp_path,
+    "--task",
+    "deep_mlp",
+    "--steps",
+    "8",
+    "--seeds",
+    "0",
+    "--modes",
+    "0",
+  )
   assert done.returncode == 0, done.stderr[-3000:]
   assert "Sanity check (a=0 reproduces plain): PASSED" in done.stdout
   results = json.loads((out / "results.json").read_text())
@@ -251,9 +344,20 @@ def test_deep_mlp_builds_and_trains(tmp_path):
 
 
 def test_deep_transformer_stacked_measures_each_layer(tmp_path):
-  done, out = _run(tmp_path, "--task", "deep_transformer", "--steps", "3",
-                   "--seeds", "0", "--modes", "0", "--measure-dx",
-                   "--text", str(ROOT / "README.md"))
+  done, out = _run(
+    tmp_path,
+    "--task",
+    "deep_transformer",
+    "--steps",
+    "3",
+    "--seeds",
+    "0",
+    "--modes",
+    "0",
+    "--measure-dx",
+    "--text",
+    str(ROOT / "README.md"),
+  )
   assert done.returncode == 0, done.stderr[-3000:]
   results = json.loads((out / "results.json").read_text())
   assert "12 blocks under hk.layer_stack" in results["task"]
@@ -262,48 +366,55 @@ def test_deep_transformer_stacked_measures_each_layer(tmp_path):
   # One entry per layer of each stacked module: blocks/linear[0..11] ...
   stacked = [k for k in dx if k.startswith("blocks/linear[")]
   assert sorted(stacked, key=report.natural_key) == [
-      f"blocks/linear[{i}]" for i in range(12)]
+    f"blocks/linear[{i}]" for i in range(12)
+  ]
   assert "blocks/multi_head_attention/query[11]" in dx
   # hk.Embed's input is integer tokens: no dX, so nothing to change.
   assert "linear" in dx and dx.pop("embed") == [0.0] * 3
   for values in dx.values():
-    assert len(values) == 3 and all(math.isfinite(v) and v > 0
-                                    for v in values)
+    assert len(values) == 3 and all(math.isfinite(v) and v > 0 for v in values)
   first = results["runs"][0]["losses"][0]
   assert 4 < first < 10  # About log2(256) = 8 bits before training.
 
 
 def _mode_summaries(*values, diverged=None):
-  return [{"final_smoothed_train_loss": v,
-           "diverged_at": (diverged or {}).get(i)} for i, v in
-          enumerate(values)]
+  return [
+    {"final_smoothed_train_loss": v, "diverged_at": (diverged or {}).get(i)}
+    for i, v in enumerate(values)
+  ]
 
 
 def test_compare_modes_rule():
   per_method = {
-      "plain": _mode_summaries(1.0, 1.1, 1.2),
-      "a=0": _mode_summaries(1.0, 1.1, 1.2),
-      "a=0.5": _mode_summaries(0.5, 0.6, 0.95),   # Below a=0's best seed.
-      "a=1": _mode_summaries(0.5, 0.6, 1.05),     # Overlaps: no verdict.
-      "a=2": _mode_summaries(0.1, 0.1, math.nan, diverged={2: 5}),
+    "plain": _mode_summaries(1.0, 1.1, 1.2),
+    "a=0": _mode_summaries(1.0, 1.1, 1.2),
+    "a=0.5": _mode_summaries(0.5, 0.6, 0.95),  # Below a=0's best seed.
+    "a=1": _mode_summaries(0.5, 0.6, 1.05),  # Overlaps: no verdict.
+    "a=2": _mode_summaries(0.1, 0.1, math.nan, diverged={2: 5}),
   }
   c = report.compare_modes(per_method)
   assert c["a=0.5"]["beats_range"] and not c["a=1"]["beats_range"]
   assert c["a=0.5"]["paired_difference"] == pytest.approx(
-      np.mean([0.5, 0.5, 0.25]))
+    np.mean([0.5, 0.5, 0.25])
+  )
   assert "mean" not in c["a=2"] and c["a=2"]["diverged_at"] == [5]
   assert report.best_mode(c) == "a=0.5"  # Diverged runs are not eligible.
-  c = report.compare_modes({"a=0": _mode_summaries(1.0, math.nan,
-                                                   diverged={1: 3}),
-                            "a=1": _mode_summaries(2.0, 2.0)})
+  c = report.compare_modes(
+    {
+      "a=0": _mode_summaries(1.0, math.nan, diverged={1: 3}),
+      "a=1": _mode_summaries(2.0, 2.0),
+    }
+  )
   assert c["a=1"]["beats_range"] and c["a=1"]["baseline_diverged"]
 
 
 # -- issue 28: the language-model task, split runs; issue 26: devices -----
 
+
 def test_lm_tiny_quick_end_to_end_on_the_default_devices(tmp_path):
-  done, out = _run(tmp_path, "--task", "lm", "--size", "tiny", "--quick",
-                   devices=None)
+  done, out = _run(
+    tmp_path, "--task", "lm", "--size", "tiny", "--quick", devices=None
+  )
   assert done.returncode == 0, done.stderr[-3000:]
   assert "Sanity check (current reproduces plain): PASSED" in done.stdout
   results = json.loads((out / "results.json").read_text())
@@ -325,8 +436,9 @@ def test_lm_tiny_quick_end_to_end_on_the_default_devices(tmp_path):
     assert math.isfinite(r["evals"][-1]["heldout_loss"])
   # current is plain training: to the sanity check's 1e-4 relative (float
   # rounding of two differently fused programs; measured ~1e-7).
-  np.testing.assert_allclose(by["current"]["losses"], by["plain"]["losses"],
-                             rtol=1e-4)
+  np.testing.assert_allclose(
+    by["current"]["losses"], by["plain"]["losses"], rtol=1e-4
+  )
   assert by["updated"]["losses"][-1] != by["plain"]["losses"][-1]
 
 
@@ -338,8 +450,14 @@ def test_split_runs_merge_into_the_joint_run(tmp_path):
   for done in (joint, first, second):
     assert done.returncode == 0, done.stderr[-3000:]
   assert "Sanity check: not run" in second.stdout
-  merged, m = _run(tmp_path, "--merge", str(a / "results.json"),
-                   str(b / "results.json"), name="m", devices=None)
+  merged, m = _run(
+    tmp_path,
+    "--merge",
+    str(a / "results.json"),
+    str(b / "results.json"),
+    name="m",
+    devices=None,
+  )
   assert merged.returncode == 0, merged.stderr[-3000:]
   assert "Sanity check (a=0 reproduces plain): PASSED" in merged.stdout
   together = json.loads((joint_out / "results.json").read_text())
@@ -349,28 +467,40 @@ def test_split_runs_merge_into_the_joint_run(tmp_path):
   # Each method's run is the same whether it trained alone or beside the
   # others: same initialisation, batches and program, bit for bit.
   key = lambda r: (r["method"], r["lr"], r["seed"])
-  assert ({key(r): r["losses"] for r in result["runs"]} ==
-          {key(r): r["losses"] for r in together["runs"]})
-  assert (result["mode_sweep"][str(result["settings"]["lr"])]["verdict"] ==
-          together["mode_sweep"][str(together["settings"]["lr"])]["verdict"])
+  assert {key(r): r["losses"] for r in result["runs"]} == {
+    key(r): r["losses"] for r in together["runs"]
+  }
+  assert (
+    result["mode_sweep"][str(result["settings"]["lr"])]["verdict"]
+    == together["mode_sweep"][str(together["settings"]["lr"])]["verdict"]
+  )
   # A method trained twice is refused.
-  again, _ = _run(tmp_path, "--merge", str(a / "results.json"),
-                  str(a / "results.json"), name="x", devices=None)
+  again, _ = _run(
+    tmp_path,
+    "--merge",
+    str(a / "results.json"),
+    str(a / "results.json"),
+    name="x",
+    devices=None,
+  )
   assert again.returncode != 0 and "in two of the files" in again.stderr
 
 
 def test_default_devices_are_the_backends_local_devices(monkeypatch):
   from immgrad.experiments import __main__ as runner  # pylint: disable=g-import-not-at-top
+
   cpus = jax.local_devices()
   assert len(cpus) == 4  # conftest.py's simulated devices.
-  assert runner.training_devices() == cpus[:runner.CPU_DEVICES]
+  assert runner.training_devices() == cpus[: runner.CPU_DEVICES]
   assert runner.training_devices(2) == cpus[:2]
   # An accelerator backend: all its local devices, here one chip.
   monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
   monkeypatch.setattr(jax, "local_devices", lambda: cpus[:1])
   assert runner.training_devices() == cpus[:1]
-  with pytest.raises(SystemExit, match="--devices 4, but the tpu backend "
-                     "has only 1 local devices"):
+  with pytest.raises(
+    SystemExit,
+    match="--devices 4, but the tpu backend has only 1 local devices",
+  ):
     runner.training_devices(4)
 
 
@@ -408,7 +538,8 @@ def test_lm_adamw_schedule_and_decay_mask_step_as_plain_optax():
   assert mask["linear"] == {"w": True, "b": False}
   assert mask["layer_norm"] == {"scale": False, "offset": False}
   assert mask["embed"] == {"embeddings": True} and mask["~"] == {
-      "positions": True}
+    "positions": True
+  }
   steps = 100  # Warm-up over 5 steps: the 8 below cross it.
   opt = train.optimizer("adamw", 3e-3, steps)
   assert float(train.schedule(3e-3, steps)(0)) == 0.0
@@ -423,15 +554,24 @@ def test_lm_adamw_schedule_and_decay_mask_step_as_plain_optax():
   # measured after 8 steps); a step of the schedule (lr/5 in the warm-up)
   # or a decay on the wrong leaves moves a weight by 1e-4 or more (below).
   for i, (g, e) in enumerate(zip(got, expected)):
-    chex.assert_trees_all_close(g, e, atol=1e-5, rtol=0,
-                                custom_message=f"step {i + 1}")
+    chex.assert_trees_all_close(
+      g, e, atol=1e-5, rtol=0, custom_message=f"step {i + 1}"
+    )
   # What the tolerance can tell apart: the schedule one step ahead, or
   # weight decay on every leaf, lands far outside it.
-  ahead = optax.adamw(lambda count: train.schedule(3e-3, steps)(count + 1),
-                      b1=0.9, b2=0.95, weight_decay=train.WEIGHT_DECAY,
-                      mask=train.decay_mask)
-  all_decayed = optax.adamw(train.schedule(3e-3, steps), b1=0.9, b2=0.95,
-                            weight_decay=train.WEIGHT_DECAY)
+  ahead = optax.adamw(
+    lambda count: train.schedule(3e-3, steps)(count + 1),
+    b1=0.9,
+    b2=0.95,
+    weight_decay=train.WEIGHT_DECAY,
+    mask=train.decay_mask,
+  )
+  all_decayed = optax.adamw(
+    train.schedule(3e-3, steps),
+    b1=0.9,
+    b2=0.95,
+    weight_decay=train.WEIGHT_DECAY,
+  )
   for other in (ahead, all_decayed):
     away = _lm_steps(task, other, 8, immediate=False)[-1]
     assert train.max_param_difference(away, expected[-1]) > 1e-4
@@ -440,9 +580,16 @@ def test_lm_adamw_schedule_and_decay_mask_step_as_plain_optax():
 def test_lm_bfloat16_a0_is_plain_training():
   task = tasks.lm(str(ROOT / "README.md"), "tiny", compute_dtype=jnp.bfloat16)
   assert "bfloat16 compute, float32 weights" in task.description
-  runs = train.train(task, optimizer_name="adamw", lr=3e-3, steps=10,
-                     batch_size=8, seed=0, eval_every=5,
-                     methods={"plain": None, "a=0": 0.0})
+  runs = train.train(
+    task,
+    optimizer_name="adamw",
+    lr=3e-3,
+    steps=10,
+    batch_size=8,
+    seed=0,
+    eval_every=5,
+    methods={"plain": None, "a=0": 0.0},
+  )
   params = runs["a=0"].final_params
   assert {a.dtype for a in jax.tree.leaves(params)} == {np.dtype("float32")}
   # Both run the same bfloat16 arithmetic (immediate(compute_dtype=...)
@@ -453,25 +600,36 @@ def test_lm_bfloat16_a0_is_plain_training():
   # first 4 losses identical, then 1.4e-5 relative; weights 2.2e-3 apart
   # after 10 steps (lr 3e-3). Float32 compute instead of bfloat16 moves the
   # very first loss, which must be identical.
-  np.testing.assert_array_equal(runs["a=0"].losses[:1],
-                                runs["plain"].losses[:1])
-  np.testing.assert_allclose(runs["a=0"].losses, runs["plain"].losses,
-                             rtol=1e-4)
-  assert train.max_param_difference(params,
-                                    runs["plain"].final_params) < 1e-2
+  np.testing.assert_array_equal(
+    runs["a=0"].losses[:1], runs["plain"].losses[:1]
+  )
+  np.testing.assert_allclose(
+    runs["a=0"].losses, runs["plain"].losses, rtol=1e-4
+  )
+  assert train.max_param_difference(params, runs["plain"].final_params) < 1e-2
   f32 = tasks.lm(str(ROOT / "README.md"), "tiny", compute_dtype=None)
   first = float(f32.loss_fn(f32.init(0), *next(f32.batches(0, 8))))
-  assert abs(first * f32.loss_scale - runs["plain"].losses[0]) > 1e-6  # Measured 2.1e-5 bits.
+  assert (
+    abs(first * f32.loss_scale - runs["plain"].losses[0]) > 1e-6
+  )  # Measured 2.1e-5 bits.
 
 
 def test_lm_remat_leaves_training_as_it_was():
   runs = {}
   for remat in (False, True):
-    task = tasks.lm(str(ROOT / "README.md"), "tiny", compute_dtype=None,
-                    remat=remat)
-    runs[remat] = train.train(task, optimizer_name="adamw", lr=3e-3, steps=6,
-                              batch_size=8, seed=0, eval_every=6,
-                              methods={"plain": None, "a=1": 1.0})
+    task = tasks.lm(
+      str(ROOT / "README.md"), "tiny", compute_dtype=None, remat=remat
+    )
+    runs[remat] = train.train(
+      task,
+      optimizer_name="adamw",
+      lr=3e-3,
+      steps=6,
+      batch_size=8,
+      seed=0,
+      eval_every=6,
+      methods={"plain": None, "a=1": 1.0},
+    )
   assert "blocks under hk.remat" in task.description
   # hk.remat recomputes the blocks' forward pass in the backward pass: the
   # same arithmetic, fused differently. Losses to 1e-6 relative (measured:
@@ -479,9 +637,15 @@ def test_lm_remat_leaves_training_as_it_was():
   # 6 steps: adam turns rounding in near-zero gradients into weight noise),
   # where a=1 and plain differ by ~1e-2 in loss.
   for method in ("plain", "a=1"):
-    np.testing.assert_allclose(runs[True][method].losses,
-                               runs[False][method].losses, rtol=1e-6)
-    assert train.max_param_difference(runs[True][method].final_params,
-                                      runs[False][method].final_params) < 1e-4
-  assert abs(runs[True]["a=1"].losses[-1] -
-             runs[True]["plain"].losses[-1]) > 1e-2
+    np.testing.assert_allclose(
+      runs[True][method].losses, runs[False][method].losses, rtol=1e-6
+    )
+    assert (
+      train.max_param_difference(
+        runs[True][method].final_params, runs[False][method].final_params
+      )
+      < 1e-4
+    )
+  assert (
+    abs(runs[True]["a=1"].losses[-1] - runs[True]["plain"].losses[-1]) > 1e-2
+  )

@@ -24,8 +24,9 @@ import threading
 import pytest
 
 pytest.importorskip(
-    "flax", reason="immgrad.flax needs the flax extra "
-    "(flax 0.12.8 needs jax >= 0.10)")
+  "flax",
+  reason="immgrad.flax needs the flax extra (flax 0.12.8 needs jax >= 0.10)",
+)
 # pylint: disable=g-import-not-at-top,wrong-import-position
 
 import chex
@@ -56,50 +57,84 @@ def _is_immediate(g):
 def _grads(tree):
   """``value_and_grad``'s grads as arrays, and which were stepped."""
   leaves = jax.tree.leaves(tree, is_leaf=_is_immediate)
-  return ([g.grad if _is_immediate(g) else g for g in leaves],
-          [_is_immediate(g) for g in leaves])
+  return (
+    [g.grad if _is_immediate(g) else g for g in leaves],
+    [_is_immediate(g) for g in leaves],
+  )
 
 
 # -- each module alone, bitwise ---------------------------------------------
 
+
 def _nnx_cases():
   rngs = lambda: nnx.Rngs(0)
   return {
-      "Linear bf16 compute": (
-          lambda: nnx.Linear(3, 5, dtype=BF16, rngs=rngs()), (2, 7, 3), F32),
-      "Einsum": (
-          lambda: nnx.Einsum("bti,io->bto", (3, 4), (4,), rngs=rngs()),
-          (2, 5, 3), F32),
-      "Conv circular, stride 2, groups": (
-          lambda: nnx.Conv(4, 4, (3, 3), strides=2, padding="CIRCULAR",
-                           feature_group_count=2, rngs=rngs()),
-          (2, 8, 8, 4), F32),
-      "Conv causal, dilated, unbatched, bf16 input": (
-          lambda: nnx.Conv(3, 4, 3, padding="CAUSAL", kernel_dilation=2,
-                           rngs=rngs()), (8, 3), BF16),
-      "LayerNorm bf16 params": (
-          lambda: nnx.LayerNorm(6, param_dtype=BF16, rngs=rngs()),
-          (2, 5, 6), F32),
-      "RMSNorm": (lambda: nnx.RMSNorm(6, rngs=rngs()), (2, 5, 6), F32),
-      "Embed": (lambda: nnx.Embed(11, 4, rngs=rngs()), (2, 5), None),
+    "Linear bf16 compute": (
+      lambda: nnx.Linear(3, 5, dtype=BF16, rngs=rngs()),
+      (2, 7, 3),
+      F32,
+    ),
+    "Einsum": (
+      lambda: nnx.Einsum("bti,io->bto", (3, 4), (4,), rngs=rngs()),
+      (2, 5, 3),
+      F32,
+    ),
+    "Conv circular, stride 2, groups": (
+      lambda: nnx.Conv(
+        4,
+        4,
+        (3, 3),
+        strides=2,
+        padding="CIRCULAR",
+        feature_group_count=2,
+        rngs=rngs(),
+      ),
+      (2, 8, 8, 4),
+      F32,
+    ),
+    "Conv causal, dilated, unbatched, bf16 input": (
+      lambda: nnx.Conv(
+        3, 4, 3, padding="CAUSAL", kernel_dilation=2, rngs=rngs()
+      ),
+      (8, 3),
+      BF16,
+    ),
+    "LayerNorm bf16 params": (
+      lambda: nnx.LayerNorm(6, param_dtype=BF16, rngs=rngs()),
+      (2, 5, 6),
+      F32,
+    ),
+    "RMSNorm": (lambda: nnx.RMSNorm(6, rngs=rngs()), (2, 5, 6), F32),
+    "Embed": (lambda: nnx.Embed(11, 4, rngs=rngs()), (2, 5), None),
   }
 
 
 def _linen_cases():
   return {
-      "Dense bf16 compute": (lambda: nn.Dense(5, dtype=BF16), (2, 7, 3), F32),
-      "Conv masked, two batch axes": (
-          lambda: nn.Conv(4, (3,), mask=jnp.tril(jnp.ones((3, 4, 4))),
-                          feature_group_count=1), (2, 3, 8, 4), F32),
-      "LayerNorm bf16 params, float reductions off": (
-          lambda: nn.LayerNorm(param_dtype=BF16,
-                               force_float32_reductions=False),
-          (2, 6), F32),
-      "Embed": (lambda: nn.Embed(11, 4), (2, 5), None),
-      "Dense partitioned kernel": (
-          lambda: nn.Dense(5, kernel_init=nn.with_partitioning(
-              nn.initializers.lecun_normal(), (None, "model"))),
-          (4, 3), F32),
+    "Dense bf16 compute": (lambda: nn.Dense(5, dtype=BF16), (2, 7, 3), F32),
+    "Conv masked, two batch axes": (
+      lambda: nn.Conv(
+        4, (3,), mask=jnp.tril(jnp.ones((3, 4, 4))), feature_group_count=1
+      ),
+      (2, 3, 8, 4),
+      F32,
+    ),
+    "LayerNorm bf16 params, float reductions off": (
+      lambda: nn.LayerNorm(param_dtype=BF16, force_float32_reductions=False),
+      (2, 6),
+      F32,
+    ),
+    "Embed": (lambda: nn.Embed(11, 4), (2, 5), None),
+    "Dense partitioned kernel": (
+      lambda: nn.Dense(
+        5,
+        kernel_init=nn.with_partitioning(
+          nn.initializers.lecun_normal(), (None, "model")
+        ),
+      ),
+      (4, 3),
+      F32,
+    ),
   }
 
 
@@ -107,16 +142,21 @@ def _random_like(tree, key):
   """Random values for every leaf (so biases and scales are not trivial)."""
   leaves, treedef = jax.tree.flatten(tree)
   keys = jax.random.split(key, len(leaves))
-  return treedef.unflatten([jax.random.normal(k, a.shape, a.dtype)
-                            for k, a in zip(keys, leaves)])
+  return treedef.unflatten(
+    [jax.random.normal(k, a.shape, a.dtype) for k, a in zip(keys, leaves)]
+  )
 
 
 def _module_problem(api, case):
-  make, shape, x_dtype = (_nnx_cases() if api == "nnx" else
-                          _linen_cases())[case]
+  make, shape, x_dtype = (_nnx_cases() if api == "nnx" else _linen_cases())[
+    case
+  ]
   key = jax.random.PRNGKey(1)
-  x = (jax.random.randint(key, shape, 0, 11) if x_dtype is None else
-       jax.random.normal(key, shape, x_dtype))
+  x = (
+    jax.random.randint(key, shape, 0, 11)
+    if x_dtype is None
+    else jax.random.normal(key, shape, x_dtype)
+  )
   module = make()
   if api == "nnx":
     graphdef, params = nnx.split(module, nnx.Param)
@@ -126,28 +166,38 @@ def _module_problem(api, case):
     apply = lambda p, x: module.apply({"params": p}, x)
   params = _random_like(params, jax.random.PRNGKey(2))
   if x_dtype is None:
+
     def loss_fn(params, x):
       return jnp.sum(jnp.sin(apply(params, x).astype(F32)))
+
     return loss_fn, params, x
+
   # An ordinary parameter before the module: its gradient is the module's
   # dX, so dX is checked too.
   def loss_fn(params, x):
-    return jnp.sum(jnp.sin(apply(params["module"], x * params["pre"])
-                           .astype(F32)))
-  return loss_fn, {"module": params, "pre": jnp.full(shape[-1:], 1.5,
-                                                     x_dtype)}, x
+    return jnp.sum(
+      jnp.sin(apply(params["module"], x * params["pre"]).astype(F32))
+    )
+
+  return (
+    loss_fn,
+    {"module": params, "pre": jnp.full(shape[-1:], 1.5, x_dtype)},
+    x,
+  )
 
 
-@pytest.mark.parametrize("api,case", [("nnx", c) for c in _nnx_cases()] +
-                         [("linen", c) for c in _linen_cases()])
+@pytest.mark.parametrize(
+  "api,case",
+  [("nnx", c) for c in _nnx_cases()] + [("linen", c) for c in _linen_cases()],
+)
 def test_module_is_flax_bitwise(api, case):
   """Loss, dW and dX of one module inside a step equal Flax's, bitwise."""
   loss_fn, params, x = _module_problem(api, case)
   tx = immgrad.shim(optax.sgd(0.1))
   expected_loss, expected = jax.jit(jax.value_and_grad(loss_fn))(params, x)
-  loss, grads = jax.jit(immgrad.value_and_grad(
-      immgrad.flax.immediate(loss_fn), tx, mode="current"))(
-          params, tx.init(params), x)
+  loss, grads = jax.jit(
+    immgrad.value_and_grad(immgrad.flax.immediate(loss_fn), tx, mode="current")
+  )(params, tx.init(params), x)
   got, stepped = _grads(grads)
   module_leaves = len(jax.tree.leaves(params.get("module", params)))
   assert sum(stepped) == module_leaves  # Every parameter of the module.
@@ -157,6 +207,7 @@ def test_module_is_flax_bitwise(api, case):
 
 
 # -- models in Flax's own idiom, trained: current equals plain ------------
+
 
 class NnxCNN(nnx.Module):
   """Conv, BatchNorm (BatchStat state), Dropout (nnx.Rngs), Linear."""
@@ -177,11 +228,11 @@ class NnxCNN(nnx.Module):
 
 
 class NnxBlock(nnx.Module):
-
   def __init__(self, d, heads, rngs):
     self.ln1 = nnx.LayerNorm(d, rngs=rngs)
-    self.attention = nnx.MultiHeadAttention(heads, d, decode=False,
-                                            dropout_rate=0.1, rngs=rngs)
+    self.attention = nnx.MultiHeadAttention(
+      heads, d, decode=False, dropout_rate=0.1, rngs=rngs
+    )
     self.ln2 = nnx.RMSNorm(d, rngs=rngs)
     self.up = nnx.Linear(d, 2 * d, rngs=rngs)
     self.down = nnx.Einsum("btf,fd->btd", (2 * d, d), (d,), rngs=rngs)
@@ -208,13 +259,15 @@ class NnxLM(nnx.Module):
 
 def _tx_and_grad_fn(loss_fn, opt, immediate, mode):
   """The optimizer and ``grad_fn(params, opt_state, *args)``: immgrad's or
-  plain JAX's (which ignores ``opt_state``), for a loss with aux."""
+  plain JAX's (which ignores ``opt_state``), for a loss with aux.
+  """
   if immediate:
     # atomic=False: the non-finite check would only slow compilation here
     # (2-4x; these steps are finite), and it is tested in test_atomic.py.
     tx = immgrad.shim(opt, atomic=False)
-    return tx, immgrad.value_and_grad(immgrad.flax.immediate(loss_fn), tx,
-                                      mode=mode, has_aux=True)
+    return tx, immgrad.value_and_grad(
+      immgrad.flax.immediate(loss_fn), tx, mode=mode, has_aux=True
+    )
   plain = jax.value_and_grad(loss_fn, has_aux=True)
   return opt, lambda p, s, *args: plain(p, *args)
 
@@ -245,16 +298,25 @@ def _nnx_run(model, opt, data, immediate, mode="current"):
 
 def _image_batches():
   keys = jax.random.split(jax.random.PRNGKey(3), 2 * STEPS)
-  return [(jax.random.normal(keys[2 * i], (8, 8, 8, 1)),
-           jax.random.randint(keys[2 * i + 1], (8,), 0, 10))
-          for i in range(STEPS)]
+  return [
+    (
+      jax.random.normal(keys[2 * i], (8, 8, 8, 1)),
+      jax.random.randint(keys[2 * i + 1], (8,), 0, 10),
+    )
+    for i in range(STEPS)
+  ]
 
 
 def _key_data(tree):
   """``tree`` with rng keys as their data, for comparisons."""
   return jax.tree.map(
-      lambda a: jax.random.key_data(a)
-      if jnp.issubdtype(a.dtype, jax.dtypes.prng_key) else a, tree)
+    lambda a: (
+      jax.random.key_data(a)
+      if jnp.issubdtype(a.dtype, jax.dtypes.prng_key)
+      else a
+    ),
+    tree,
+  )
 
 
 def _assert_same_tree(a, b):
@@ -271,8 +333,9 @@ def test_nnx_cnn_current_equals_plain(opt):
   expected, _ = _nnx_run(NnxCNN(nnx.Rngs(0)), opt, data, immediate=False)
   got, grads = _nnx_run(NnxCNN(nnx.Rngs(0)), opt, data, immediate=True)
   # params (nnx.State of Params), BatchStat and rng state, and the loss.
-  chex.assert_trees_all_close(_key_data(got), _key_data(expected),
-                              atol=ATOL, rtol=RTOL)
+  chex.assert_trees_all_close(
+    _key_data(got), _key_data(expected), atol=ATOL, rtol=RTOL
+  )
   _assert_same_tree(got[0], params0)
   _, stepped = _grads(grads)
   # conv1, conv2 (kernel, bias), linear (kernel, bias) immediate; bn's
@@ -280,8 +343,12 @@ def test_nnx_cnn_current_equals_plain(opt):
   assert sum(stepped) == 5 and len(stepped) == 7
   # Dropout ran (its rng advanced once per step) and the statistics moved.
   assert int(got[1]["dropout"]["rngs"]["count"][...]) == STEPS
-  assert oracles.max_abs_diff(got[1]["bn"], nnx.state(
-      NnxCNN(nnx.Rngs(0)), nnx.BatchStat)["bn"]) > 1e-3
+  assert (
+    oracles.max_abs_diff(
+      got[1]["bn"], nnx.state(NnxCNN(nnx.Rngs(0)), nnx.BatchStat)["bn"]
+    )
+    > 1e-3
+  )
 
 
 def test_nnx_transformer_current_equals_plain():
@@ -294,13 +361,15 @@ def test_nnx_transformer_current_equals_plain():
   # Not adam: attention's key bias has a gradient that is exactly zero in
   # exact arithmetic (softmax ignores a shift shared by all keys), and adam
   # turns its rounding noise into steps of +-lr, in plain training as here.
-  opt = optax.chain(optax.add_decayed_weights(1e-2),
-                    optax.sgd(0.05, momentum=0.9))
+  opt = optax.chain(
+    optax.add_decayed_weights(1e-2), optax.sgd(0.05, momentum=0.9)
+  )
   make = lambda: NnxLM(vocab, 16, 2, nnx.Rngs(0))
   expected, _ = _nnx_run(make(), opt, data, immediate=False)
   got, grads = _nnx_run(make(), opt, data, immediate=True)
-  chex.assert_trees_all_close(_key_data(got), _key_data(expected),
-                              atol=ATOL, rtol=RTOL)
+  chex.assert_trees_all_close(
+    _key_data(got), _key_data(expected), atol=ATOL, rtol=RTOL
+  )
   _, stepped = _grads(grads)
   assert all(stepped)  # Every parameter of this model is immediate.
   assert oracles.max_abs_diff(got[0], nnx.state(make(), nnx.Param)) > 1e-3
@@ -320,6 +389,7 @@ class LinenCNN(nn.Module):
 
 class LinenLM(nn.Module):
   """Embed, attention (DenseGeneral), LayerNorm, RMSNorm, Dense, Dropout."""
+
   vocab: int = 13
   d: int = 16
 
@@ -327,8 +397,9 @@ class LinenLM(nn.Module):
   def __call__(self, tokens, train: bool):
     mask = nn.make_causal_mask(tokens)
     h = nn.Embed(self.vocab, self.d)(tokens)
-    a = nn.MultiHeadDotProductAttention(num_heads=2)(nn.LayerNorm()(h),
-                                                     mask=mask)
+    a = nn.MultiHeadDotProductAttention(num_heads=2)(
+      nn.LayerNorm()(h), mask=mask
+    )
     h = h + nn.Dropout(0.1, deterministic=not train)(a)
     h = h + nn.Dense(self.d)(nn.gelu(nn.Dense(2 * self.d)(nn.RMSNorm()(h))))
     return nn.Dense(self.vocab)(nn.LayerNorm()(h))
@@ -340,9 +411,13 @@ def _linen_run(model, variables, opt, data, immediate, mode="current"):
   state = {k: v for k, v in variables.items() if k != "params"}
 
   def loss_fn(params, state, rng, x, labels):
-    logits, state = model.apply({"params": params, **state}, x, train=True,
-                                rngs={"dropout": rng},
-                                mutable=list(state))
+    logits, state = model.apply(
+      {"params": params, **state},
+      x,
+      train=True,
+      rngs={"dropout": rng},
+      mutable=list(state),
+    )
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
     return loss.mean(), state
 
@@ -357,7 +432,8 @@ def _linen_run(model, variables, opt, data, immediate, mode="current"):
   opt_state = tx.init(params)
   for i, batch in enumerate(data):
     params, opt_state, state, loss, grads = step(
-        params, opt_state, state, jax.random.PRNGKey(10 + i), *batch)
+      params, opt_state, state, jax.random.PRNGKey(10 + i), *batch
+    )
   return (params, state, loss), grads
 
 
@@ -373,8 +449,10 @@ def test_linen_cnn_with_batch_stats_current_equals_plain(opt):
   _assert_same_tree(got[0], variables["params"])
   _, stepped = _grads(grads)
   assert sum(stepped) == 9 and len(stepped) == 11  # BatchNorm's 2 ordinary.
-  assert oracles.max_abs_diff(got[1], {"batch_stats":
-                                       variables["batch_stats"]}) > 1e-3
+  assert (
+    oracles.max_abs_diff(got[1], {"batch_stats": variables["batch_stats"]})
+    > 1e-3
+  )
 
 
 def test_linen_transformer_current_equals_plain():
@@ -386,8 +464,9 @@ def test_linen_transformer_current_equals_plain():
   model = LinenLM()
   variables = model.init(jax.random.PRNGKey(0), data[0][0], train=False)
   # Not adam: see test_nnx_transformer_current_equals_plain.
-  opt = optax.chain(optax.add_decayed_weights(1e-2),
-                    optax.sgd(0.05, momentum=0.9))
+  opt = optax.chain(
+    optax.add_decayed_weights(1e-2), optax.sgd(0.05, momentum=0.9)
+  )
   expected, _ = _linen_run(model, variables, opt, data, immediate=False)
   got, grads = _linen_run(model, variables, opt, data, immediate=True)
   chex.assert_trees_all_close(got, expected, atol=ATOL, rtol=RTOL)
@@ -399,11 +478,12 @@ def test_linen_transformer_current_equals_plain():
 
 # -- updated: the sequential re-linearization of a chain of Flax layers -----
 
-class NnxMLP(nnx.Module):
 
+class NnxMLP(nnx.Module):
   def __init__(self, sizes, rngs):
-    self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs)
-                            for a, b in zip(sizes[:-1], sizes[1:])])
+    self.layers = nnx.List(
+      [nnx.Linear(a, b, rngs=rngs) for a, b in zip(sizes[:-1], sizes[1:])]
+    )
 
   def __call__(self, x):
     for layer in self.layers[:-1]:
@@ -428,8 +508,9 @@ def _flax_dense(x, p):
 def _chain(names):
   """The reference chain: plain JAX dense layers on Flax's param names."""
   acts = (jax.nn.relu,) * (len(names) - 1) + (oracles.identity,)
-  return oracles.Chain((_flax_dense,) * len(names), tuple(names), acts,
-                       oracles.mse)
+  return oracles.Chain(
+    (_flax_dense,) * len(names), tuple(names), acts, oracles.mse
+  )
 
 
 SIZES = (5, 16, 16, 3)
@@ -469,18 +550,21 @@ def test_updated_equals_sequential_reference(api, opt):
   data = oracles.batches(jax.random.PRNGKey(1), STEPS, (8, 5), (8, 3))
   loss_fn, params = _nnx_mlp() if api == "nnx" else _linen_mlp(data[0][0])
   chain = _chain([f"layer{i}" for i in range(len(SIZES) - 1)])
-  expected = oracles.sequential_steps(chain, opt,
-                                      _as_chain_params(api, params), data)
+  expected = oracles.sequential_steps(
+    chain, opt, _as_chain_params(api, params), data
+  )
   got_params, got_losses = oracles.immediate_steps(
-      immgrad.flax.immediate(loss_fn), opt, params, data, mode="updated")
+    immgrad.flax.immediate(loss_fn), opt, params, data, mode="updated"
+  )
   for p in got_params:
     _assert_same_tree(p, params)
   got = ([_as_chain_params(api, p) for p in got_params], got_losses)
   oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
   # "updated" is not "current": the reference would catch a swap.
   plain, _ = oracles.plain_steps(loss_fn, opt, params, data)
-  assert oracles.max_abs_diff(got[0][-1],
-                              _as_chain_params(api, plain[-1])) > 1e-4
+  assert (
+    oracles.max_abs_diff(got[0][-1], _as_chain_params(api, plain[-1])) > 1e-4
+  )
 
 
 # -- data parallel ----------------------------------------------------------
@@ -493,7 +577,8 @@ def test_pmap_data_parallel_equals_one_device(mode):
   """NNX MLP on 4 devices, each a quarter of the batch, equals one device
   on the whole batch (plain training for current, the sequential reference
   for updated). Tolerance as in test_parallel.py: the 4-device mean sums
-  in another order (an ulp per step). Replicas stay bitwise equal."""
+  in another order (an ulp per step). Replicas stay bitwise equal.
+  """
   assert jax.device_count() >= DEVICES, "conftest.py sets 4 CPU devices"
   opt = optax.sgd(0.05, momentum=0.9)  # adam is blind to a gradient x4.
   data = oracles.batches(jax.random.PRNGKey(1), STEPS, (16, 5), (16, 3))
@@ -504,10 +589,12 @@ def test_pmap_data_parallel_equals_one_device(mode):
   else:
     chain = _chain([f"layer{i}" for i in range(len(SIZES) - 1)])
     expected, _ = oracles.sequential_steps(
-        chain, opt, _as_chain_params("nnx", params), data)
+      chain, opt, _as_chain_params("nnx", params), data
+    )
   tx = immgrad.shim(opt)
-  grad_fn = immgrad.value_and_grad(immgrad.flax.immediate(loss_fn), tx,
-                                   mode=mode, axis_name="d")
+  grad_fn = immgrad.value_and_grad(
+    immgrad.flax.immediate(loss_fn), tx, mode=mode, axis_name="d"
+  )
 
   def step(params, state, x, y):
     _, grads = grad_fn(params, state, x, y)
@@ -521,14 +608,17 @@ def test_pmap_data_parallel_equals_one_device(mode):
   for i, (x, y) in enumerate(data):
     params, state = step(params, state, split(x), split(y))
     for leaf in jax.tree.leaves(params):
-      np.testing.assert_array_equal(leaf, np.broadcast_to(leaf[0],
-                                                          leaf.shape))
+      np.testing.assert_array_equal(leaf, np.broadcast_to(leaf[0], leaf.shape))
     chex.assert_trees_all_close(
-        _as_chain_params("nnx", jax.tree.map(lambda a: a[0], params)),
-        expected[i], atol=ATOL, rtol=RTOL)
+      _as_chain_params("nnx", jax.tree.map(lambda a: a[0], params)),
+      expected[i],
+      atol=ATOL,
+      rtol=RTOL,
+    )
 
 
 # -- outside a step: Flax's model, unchanged --------------------------------
+
 
 def test_outside_a_step_the_model_is_flax_and_unpatched():
   original = nnx.Linear.__dict__["__call__"]
@@ -536,13 +626,15 @@ def test_outside_a_step_the_model_is_flax_and_unpatched():
   loss_fn, params = _nnx_mlp()
   immediate = immgrad.flax.immediate(loss_fn)
   y = jnp.zeros((2, 3))
-  chex.assert_trees_all_equal(jax.grad(immediate)(params, x, y),
-                              jax.grad(loss_fn)(params, x, y))
+  chex.assert_trees_all_equal(
+    jax.grad(immediate)(params, x, y), jax.grad(loss_fn)(params, x, y)
+  )
   assert nnx.Linear.__dict__["__call__"] is original  # Patch removed.
   model = LinenMLP(SIZES[1:])
   key = jax.random.PRNGKey(0)
-  chex.assert_trees_all_equal(immgrad.flax.immediate(model.init)(key, x),
-                              model.init(key, x))
+  chex.assert_trees_all_equal(
+    immgrad.flax.immediate(model.init)(key, x), model.init(key, x)
+  )
 
 
 def test_other_threads_see_flax_while_a_step_traces():
@@ -561,8 +653,9 @@ def test_other_threads_see_flax_while_a_step_traces():
     seen.append(nnx.Linear.__dict__["__call__"] is not original)
     # A step on this thread, of a loss not wrapped by immediate: ordinary.
     step = immgrad.value_and_grad(loss_fn, tx)
-    _, grads = step(params, tx.init(params), jnp.ones((2, 5)),
-                    jnp.zeros((2, 3)))
+    _, grads = step(
+      params, tx.init(params), jnp.ones((2, 5)), jnp.zeros((2, 3))
+    )
     seen.append(any(_grads(grads)[1]))
     done.set()
 
@@ -570,8 +663,7 @@ def test_other_threads_see_flax_while_a_step_traces():
   thread = threading.Thread(target=other_thread)
   thread.start()
   step = immgrad.value_and_grad(immgrad.flax.immediate(pausing_loss), tx)
-  _, grads = step(params, tx.init(params), jnp.ones((2, 5)),
-                  jnp.zeros((2, 3)))
+  _, grads = step(params, tx.init(params), jnp.ones((2, 5)), jnp.zeros((2, 3)))
   thread.join(timeout=60)
   assert seen == [True, False]
   assert all(_grads(grads)[1])
@@ -579,10 +671,12 @@ def test_other_threads_see_flax_while_a_step_traces():
 
 # -- what is refused --------------------------------------------------------
 
+
 def _step_of(loss_fn, params, *args):
   tx = immgrad.shim(optax.sgd(0.1))
   return immgrad.value_and_grad(immgrad.flax.immediate(loss_fn), tx)(
-      params, tx.init(params), *args)
+    params, tx.init(params), *args
+  )
 
 
 def test_unsupported_modules_are_refused():
@@ -599,8 +693,8 @@ def test_modules_option_chooses_and_others_stay_ordinary():
   tx = immgrad.shim(optax.sgd(0.1))
   for modules, count in [((nn.Dense,), 6), ((nnx.Linear,), 0)]:
     _, grads = immgrad.value_and_grad(
-        immgrad.flax.immediate(loss_fn, modules=modules), tx)(
-            params, tx.init(params), jnp.ones((2, 5)), jnp.zeros((2, 3)))
+      immgrad.flax.immediate(loss_fn, modules=modules), tx
+    )(params, tx.init(params), jnp.ones((2, 5)), jnp.zeros((2, 3)))
     assert sum(_grads(grads)[1]) == count
 
 
@@ -617,8 +711,10 @@ def test_modules_not_listed_keep_ordinary_gradients():
   loss_fn = lambda p, x: jnp.sum(model.apply({"params": p}, x) ** 2)
   _, grads = _step_of(loss_fn, params, x)
   kinds = jax.tree.map(_is_immediate, grads, is_leaf=_is_immediate)
-  assert kinds == {"ConvLocal_0": {"kernel": False, "bias": False},
-                   "Dense_0": {"kernel": True, "bias": True}}
+  assert kinds == {
+    "ConvLocal_0": {"kernel": False, "bias": False},
+    "Dense_0": {"kernel": True, "bias": True},
+  }
 
 
 def test_nnx_layer_norm_with_custom_promote_dtype_is_refused():
@@ -670,24 +766,39 @@ def _transformed_losses():
   linen = _RematDense()
   linen_params = linen.init(jax.random.PRNGKey(0), jnp.ones((2, 3)))
   return {
-      "jax.checkpoint": (lambda p, x: jnp.sum(jax.checkpoint(
-          lambda x: merge(p)(x))(x)), params, "nnx.Linear"),
-      "nnx.remat": (lambda p, x: jnp.sum(nnx.remat(
-          lambda m, x: m(x))(merge(p), x)), params, "nnx.Linear"),
-      "nnx.jit": (lambda p, x: jnp.sum(nnx.jit(
-          lambda m, x: m(x))(merge(p), x)), params, "nnx.Linear"),
-      "nn.remat": (lambda p, x: jnp.sum(linen.apply({"params": p}, x)),
-                   linen_params["params"], "CheckpointDense_0"),
+    "jax.checkpoint": (
+      lambda p, x: jnp.sum(jax.checkpoint(lambda x: merge(p)(x))(x)),
+      params,
+      "nnx.Linear",
+    ),
+    "nnx.remat": (
+      lambda p, x: jnp.sum(nnx.remat(lambda m, x: m(x))(merge(p), x)),
+      params,
+      "nnx.Linear",
+    ),
+    "nnx.jit": (
+      lambda p, x: jnp.sum(nnx.jit(lambda m, x: m(x))(merge(p), x)),
+      params,
+      "nnx.Linear",
+    ),
+    "nn.remat": (
+      lambda p, x: jnp.sum(linen.apply({"params": p}, x)),
+      linen_params["params"],
+      "CheckpointDense_0",
+    ),
   }
 
 
-@pytest.mark.parametrize("transform", ["jax.checkpoint", "nnx.remat",
-                                       "nnx.jit", "nn.remat"])
+@pytest.mark.parametrize(
+  "transform", ["jax.checkpoint", "nnx.remat", "nnx.jit", "nn.remat"]
+)
 def test_module_inside_a_transformation_is_refused(transform):
   """The transformation hands the module copies of its weights."""
   loss_fn, params, name = _transformed_losses()[transform]
-  with pytest.raises(ValueError, match=f"'{name}'.*(not a parameter leaf|"
-                     "inside a transformation)"):
+  with pytest.raises(
+    ValueError,
+    match=f"'{name}'.*(not a parameter leaf|inside a transformation)",
+  ):
     _step_of(loss_fn, params, jnp.ones((2, 3)))
 
 
@@ -704,28 +815,42 @@ def test_module_with_batched_weights_is_refused():
 
 
 def test_without_flax_import_says_what_to_install():
-  code = ("import sys; sys.modules['flax'] = None; import immgrad; "
-          "assert 'flax' not in [m.split('.')[0] for m in sys.modules "
-          "if sys.modules[m] is not None]\n"
-          "try:\n  import immgrad.flax\nexcept ImportError as e:\n"
-          "  print(e)")
-  done = subprocess.run([sys.executable, "-c", code], cwd=ROOT,
-                        capture_output=True, text=True, timeout=120,
-                        env={**os.environ, "PYTHONPATH": str(ROOT)})
+  code = (
+    "import sys; sys.modules['flax'] = None; import immgrad; "
+    "assert 'flax' not in [m.split('.')[0] for m in sys.modules "
+    "if sys.modules[m] is not None]\n"
+    "try:\n  import immgrad.flax\nexcept ImportError as e:\n"
+    "  print(e)"
+  )
+  done = subprocess.run(
+    [sys.executable, "-c", code],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=120,
+    env={**os.environ, "PYTHONPATH": str(ROOT)},
+  )
   assert done.returncode == 0, done.stderr[-2000:]
   assert 'pip install "immgrad[flax]"' in done.stdout
 
 
 # -- the example ------------------------------------------------------------
 
+
 def test_flax_digits_example_learns():
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)
   env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
   done = subprocess.run(
-      [sys.executable, "examples/flax_digits.py", "--epochs", "2"], cwd=ROOT,
-      env=env, capture_output=True, text=True, timeout=300)
+    [sys.executable, "examples/flax_digits.py", "--epochs", "2"],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-  accuracy = [float(a) for a in re.findall(r"test accuracy ([\d.]+)",
-                                           done.stdout)]
+  accuracy = [
+    float(a) for a in re.findall(r"test accuracy ([\d.]+)", done.stdout)
+  ]
   assert len(accuracy) == 2 and accuracy[-1] > 0.8, done.stdout

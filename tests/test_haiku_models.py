@@ -27,6 +27,7 @@ STEPS = 5
 def _mse_loss(model):
   def loss_fn(params, x, y):
     return oracles.mse(model.apply(params, x), y)
+
   return loss_fn
 
 
@@ -35,6 +36,7 @@ def _without_rng(fn):
 
 
 # -- hk.nets.MLP ------------------------------------------------------------
+
 
 def _mlp(x):
   return hk.nets.MLP([16, 16, 3])(x)
@@ -50,25 +52,37 @@ def _mlp_setup():
 def test_mlp_current_equals_plain():
   params, data = _mlp_setup()
   opt = optax.adam(1e-2)
-  expected = oracles.plain_steps(_mse_loss(_without_rng(_mlp)), opt, params,
-                                 data)
+  expected = oracles.plain_steps(
+    _mse_loss(_without_rng(_mlp)), opt, params, data
+  )
   got = oracles.immediate_steps(
-      _mse_loss(_without_rng(immgrad.haiku.immediate(_mlp))), opt, params,
-      data, mode="current")
+    _mse_loss(_without_rng(immgrad.haiku.immediate(_mlp))),
+    opt,
+    params,
+    data,
+    mode="current",
+  )
   oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
 
 
 def test_mlp_updated_equals_sequential_reference():
   params, data = _mlp_setup()
   names = tuple(f"mlp/~/linear_{i}" for i in range(3))
-  chain = oracles.Chain((oracles.dense,) * 3, names,
-                        (jax.nn.relu, jax.nn.relu, oracles.identity),
-                        oracles.mse)
+  chain = oracles.Chain(
+    (oracles.dense,) * 3,
+    names,
+    (jax.nn.relu, jax.nn.relu, oracles.identity),
+    oracles.mse,
+  )
   opt = optax.adam(1e-2)
   expected = oracles.sequential_steps(chain, opt, params, data)
   got = oracles.immediate_steps(
-      _mse_loss(_without_rng(immgrad.haiku.immediate(_mlp))), opt, params,
-      data, mode="updated")
+    _mse_loss(_without_rng(immgrad.haiku.immediate(_mlp))),
+    opt,
+    params,
+    data,
+    mode="updated",
+  )
   oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
 
 
@@ -80,8 +94,8 @@ VOCAB, SEQ, D_MODEL, HEADS = 13, 6, 16, 2
 def _block(h, mask, dropout):
   a = hk.LayerNorm(-1, True, True)(h)
   a = hk.MultiHeadAttention(
-      HEADS, D_MODEL // HEADS,
-      w_init=hk.initializers.VarianceScaling(1.0))(a, a, a, mask=mask)
+    HEADS, D_MODEL // HEADS, w_init=hk.initializers.VarianceScaling(1.0)
+  )(a, a, a, mask=mask)
   h = h + (hk.dropout(hk.next_rng_key(), 0.1, a) if dropout else a)
   m = hk.LayerNorm(-1, True, True)(h)
   m = hk.Linear(D_MODEL)(jax.nn.gelu(hk.Linear(2 * D_MODEL)(m)))
@@ -91,8 +105,9 @@ def _block(h, mask, dropout):
 def _lm(tokens, dropout=True):
   mask = jnp.tril(jnp.ones((SEQ, SEQ), bool))[None, None]
   h = hk.Embed(VOCAB, D_MODEL)(tokens)
-  h = h + hk.get_parameter("positions", (SEQ, D_MODEL),
-                           init=hk.initializers.RandomNormal(0.1))
+  h = h + hk.get_parameter(
+    "positions", (SEQ, D_MODEL), init=hk.initializers.RandomNormal(0.1)
+  )
   for _ in range(2):
     h = _block(h, mask, dropout)
   return hk.Linear(VOCAB)(hk.LayerNorm(-1, True, True)(h))
@@ -102,7 +117,9 @@ def _lm_loss(model):
   def loss_fn(params, rng, tokens, targets):
     logits = model.apply(params, rng, tokens)
     return optax.softmax_cross_entropy_with_integer_labels(
-        logits, targets).mean()
+      logits, targets
+    ).mean()
+
   return loss_fn
 
 
@@ -118,16 +135,22 @@ def test_transformer_current_equals_plain():
   # Not adam: attention's key bias has a gradient that is exactly zero in
   # exact arithmetic (softmax ignores a shift shared by all keys), and adam
   # turns its rounding noise into steps of +-lr, in plain training as here.
-  opt = optax.chain(optax.add_decayed_weights(1e-2),
-                    optax.sgd(0.05, momentum=0.9))
+  opt = optax.chain(
+    optax.add_decayed_weights(1e-2), optax.sgd(0.05, momentum=0.9)
+  )
   expected = oracles.plain_steps(_lm_loss(plain), opt, params, data)
   got = oracles.immediate_steps(
-      _lm_loss(hk.transform(immgrad.haiku.immediate(_lm))), opt, params,
-      data, mode="current")
+    _lm_loss(hk.transform(immgrad.haiku.immediate(_lm))),
+    opt,
+    params,
+    data,
+    mode="current",
+  )
   oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
 
 
 # -- ResNet18 with BatchNorm state (hk.transform_with_state) ----------------
+
 
 def _resnet(x, is_training):
   return hk.nets.ResNet18(10)(x, is_training=is_training)
@@ -160,16 +183,21 @@ def _resnet_run(model, params, state, data, mode=None):
 
   opt_state = tx.init(params)
   for batch in data:
-    params, state, opt_state, loss = train_step(params, state, opt_state,
-                                                *batch)
+    params, state, opt_state, loss = train_step(
+      params, state, opt_state, *batch
+    )
   return params, state, loss
 
 
 def test_resnet18_current_equals_plain_with_batchnorm_state():
   keys = jax.random.split(jax.random.PRNGKey(4), 2 * 3)
-  data = [(jax.random.normal(keys[2 * i], (4, 16, 16, 3)),
-           jax.random.randint(keys[2 * i + 1], (4,), 0, 10))
-          for i in range(3)]
+  data = [
+    (
+      jax.random.normal(keys[2 * i], (4, 16, 16, 3)),
+      jax.random.randint(keys[2 * i + 1], (4,), 0, 10),
+    )
+    for i in range(3)
+  ]
   plain = hk.transform_with_state(_resnet)
   params, state = plain.init(jax.random.PRNGKey(0), data[0][0], True)
   expected = _resnet_run(plain, params, state, data)
@@ -177,8 +205,11 @@ def test_resnet18_current_equals_plain_with_batchnorm_state():
   got = _resnet_run(model, params, state, data, mode="current")
   # The BatchNorm statistics (state) and everything else, after 3 steps.
   chex.assert_trees_all_close(got, expected, atol=ATOL, rtol=RTOL)
-  assert not jax.tree.leaves(jax.tree.map(  # The statistics did move.
-      lambda a, b: bool(jnp.array_equal(a, b)) or None, expected[1], state))
+  assert not jax.tree.leaves(
+    jax.tree.map(  # The statistics did move.
+      lambda a, b: bool(jnp.array_equal(a, b)) or None, expected[1], state
+    )
+  )
 
 
 # -- hk.layer_stack: stacked blocks equal the same blocks unrolled ----------
@@ -191,46 +222,55 @@ def _stacked(stack, linear=hk.Linear):
     @stack(LAYERS)
     def block(h):
       return jnp.tanh(linear(WIDTH)(h))
+
     return linear(3, name="head")(block(x))
+
   return forward
 
 
 def _stack_chain():
   names = tuple(f"block{i}" for i in range(LAYERS)) + ("head",)
   acts = (jnp.tanh,) * LAYERS + (oracles.identity,)
-  return oracles.Chain((oracles.dense,) * (LAYERS + 1), names, acts,
-                       oracles.mse)
+  return oracles.Chain(
+    (oracles.dense,) * (LAYERS + 1), names, acts, oracles.mse
+  )
 
 
 _STACK = "__layer_stack_no_per_layer/linear"
 
 
 def _unstack(params):
-  out = {f"block{i}": jax.tree.map(lambda a, i=i: a[i], params[_STACK])
-         for i in range(LAYERS)}
+  out = {
+    f"block{i}": jax.tree.map(lambda a, i=i: a[i], params[_STACK])
+    for i in range(LAYERS)
+  }
   out["head"] = params["head"]
   return out
 
 
 def _stack(chain_params):
   blocks = [chain_params[f"block{i}"] for i in range(LAYERS)]
-  return {_STACK: jax.tree.map(lambda *a: jnp.stack(a), *blocks),
-          "head": chain_params["head"]}
+  return {
+    _STACK: jax.tree.map(lambda *a: jnp.stack(a), *blocks),
+    "head": chain_params["head"],
+  }
 
 
 STACKED = {
-    "hk.layer_stack_in_immediate":
-        lambda: _without_rng(immgrad.haiku.immediate(
-            _stacked(hk.layer_stack))),
-    "immgrad.haiku.layer_stack": lambda: _without_rng(_stacked(
-        immgrad.haiku.layer_stack, immgrad.haiku.Linear)),
+  "hk.layer_stack_in_immediate": lambda: _without_rng(
+    immgrad.haiku.immediate(_stacked(hk.layer_stack))
+  ),
+  "immgrad.haiku.layer_stack": lambda: _without_rng(
+    _stacked(immgrad.haiku.layer_stack, immgrad.haiku.Linear)
+  ),
 }
 
 
 def _stack_setup():
   data = oracles.batches(jax.random.PRNGKey(1), STEPS, (8, WIDTH), (8, 3))
   params = _without_rng(_stacked(hk.layer_stack)).init(
-      jax.random.PRNGKey(0), data[0][0])
+    jax.random.PRNGKey(0), data[0][0]
+  )
   return params, data
 
 
@@ -239,13 +279,15 @@ def test_layer_stack_current_equals_plain_unrolled(which):
   params, data = _stack_setup()
   opt = optax.adam(1e-2)
   chain = _stack_chain()
-  expected_params, losses = oracles.plain_steps(chain.loss_fn(), opt,
-                                                _unstack(params), data)
-  got = oracles.immediate_steps(_mse_loss(STACKED[which]()), opt, params,
-                                data, mode="current")
+  expected_params, losses = oracles.plain_steps(
+    chain.loss_fn(), opt, _unstack(params), data
+  )
+  got = oracles.immediate_steps(
+    _mse_loss(STACKED[which]()), opt, params, data, mode="current"
+  )
   oracles.assert_runs_close(
-      got, ([_stack(p) for p in expected_params], losses), atol=ATOL,
-      rtol=RTOL)
+    got, ([_stack(p) for p in expected_params], losses), atol=ATOL, rtol=RTOL
+  )
 
 
 @pytest.mark.parametrize("which", list(STACKED))
@@ -253,12 +295,14 @@ def test_layer_stack_updated_equals_sequential_unrolled(which):
   params, data = _stack_setup()
   opt = optax.adam(1e-2)
   expected_params, losses = oracles.sequential_steps(
-      _stack_chain(), opt, _unstack(params), data)
-  got = oracles.immediate_steps(_mse_loss(STACKED[which]()), opt, params,
-                                data, mode="updated")
+    _stack_chain(), opt, _unstack(params), data
+  )
+  got = oracles.immediate_steps(
+    _mse_loss(STACKED[which]()), opt, params, data, mode="updated"
+  )
   oracles.assert_runs_close(
-      got, ([_stack(p) for p in expected_params], losses), atol=ATOL,
-      rtol=RTOL)
+    got, ([_stack(p) for p in expected_params], losses), atol=ATOL, rtol=RTOL
+  )
 
 
 def _lm_stacked(tokens):
@@ -289,25 +333,30 @@ def test_stacked_transformer_blocks_equal_unrolled():
   template = unrolled.init(jax.random.PRNGKey(0), data[0][1])
 
   def to_unrolled(p):
-    out = {"embed": p["embed"], "layer_norm_4": p["layer_norm"],
-           "linear_4": p["linear"]}
+    out = {
+      "embed": p["embed"],
+      "layer_norm_4": p["layer_norm"],
+      "linear_4": p["linear"],
+    }
     prefix = "__layer_stack_no_per_layer/"
     for name, leaves in p.items():
       if name.startswith(prefix):
         for i in range(2):
-          out[_unrolled_name(name[len(prefix):], i)] = jax.tree.map(
-              lambda a, i=i: a[i], leaves)
+          out[_unrolled_name(name[len(prefix) :], i)] = jax.tree.map(
+            lambda a, i=i: a[i], leaves
+          )
     chex.assert_trees_all_equal_shapes(out, template)
     return out
 
   opt = optax.sgd(0.05, momentum=0.9)  # Not adam: see the transformer test.
   for mode in ("current", "updated"):
-    a, _ = oracles.immediate_steps(_lm_loss(stacked), opt, params, data,
-                                   mode=mode)
-    b, _ = oracles.immediate_steps(_lm_loss(unrolled), opt,
-                                   to_unrolled(params), data, mode=mode)
-    chex.assert_trees_all_close(to_unrolled(a[-1]), b[-1], atol=ATOL,
-                                rtol=RTOL)
+    a, _ = oracles.immediate_steps(
+      _lm_loss(stacked), opt, params, data, mode=mode
+    )
+    b, _ = oracles.immediate_steps(
+      _lm_loss(unrolled), opt, to_unrolled(params), data, mode=mode
+    )
+    chex.assert_trees_all_close(to_unrolled(a[-1]), b[-1], atol=ATOL, rtol=RTOL)
     assert oracles.max_abs_diff(a[-1], params) > 1e-3  # It trained.
 
 
@@ -328,36 +377,43 @@ def _unrolled_name(stacked_name, block):
 
 # -- hk.remat -------------------------------------------------------------
 
+
 def _remat_forward(remat):
   def forward(x):
     block = remat(lambda h: jnp.tanh(hk.Linear(WIDTH)(h)))
     h = block(block(x))
     return hk.Linear(3)(h)
+
   return forward
 
 
 def _counting(opt, calls):
   """``opt`` whose update also counts its runs, on the host, at run time."""
+
   def update(grads, state, params=None):
     jax.debug.callback(lambda: calls.append(1))
     return opt.update(grads, state, params)
+
   return optax.GradientTransformation(opt.init, update)
 
 
 @pytest.mark.parametrize("mode", ["current", "updated"])
 def test_remat_equals_no_remat_and_updates_once(mode):
   data = oracles.batches(jax.random.PRNGKey(1), STEPS, (8, WIDTH), (8, 3))
-  with_remat = _without_rng(immgrad.haiku.immediate(
-      _remat_forward(hk.remat)))
-  without = _without_rng(immgrad.haiku.immediate(
-      _remat_forward(lambda f: f)))
+  with_remat = _without_rng(immgrad.haiku.immediate(_remat_forward(hk.remat)))
+  without = _without_rng(immgrad.haiku.immediate(_remat_forward(lambda f: f)))
   params = without.init(jax.random.PRNGKey(0), data[0][0])
   chex.assert_trees_all_equal_shapes(
-      with_remat.init(jax.random.PRNGKey(0), data[0][0]), params)
+    with_remat.init(jax.random.PRNGKey(0), data[0][0]), params
+  )
   calls = []
-  got = oracles.immediate_steps(_mse_loss(with_remat),
-                                _counting(optax.adam(1e-2), calls), params,
-                                data, mode=mode)
+  got = oracles.immediate_steps(
+    _mse_loss(with_remat),
+    _counting(optax.adam(1e-2), calls),
+    params,
+    data,
+    mode=mode,
+  )
   jax.effects_barrier()
   # The counting callback runs in each leaf's update program (3 Linear calls
   # of 2 leaves each; the block's Linear is made twice) twice per step: in
@@ -365,15 +421,15 @@ def test_remat_equals_no_remat_and_updates_once(mode):
   # of the shared state (adam's count). A rematerialised backward rule
   # would make the first term three.
   assert len(calls) == (2 * len(jax.tree.leaves(params)) + 1) * STEPS
-  expected = oracles.immediate_steps(_mse_loss(without), optax.adam(1e-2),
-                                     params, data, mode=mode)
+  expected = oracles.immediate_steps(
+    _mse_loss(without), optax.adam(1e-2), params, data, mode=mode
+  )
   oracles.assert_runs_close(got, expected, atol=0, rtol=0)
 
 
 def _per_example_mlp(x):
   """hk.nets.MLP written per example, under hk.vmap over the batch."""
-  return hk.vmap(lambda row: hk.nets.MLP([16, 16, 3])(row),
-                 split_rng=False)(x)
+  return hk.vmap(lambda row: hk.nets.MLP([16, 16, 3])(row), split_rng=False)(x)
 
 
 @pytest.mark.parametrize("mode", ["current", "updated"])
@@ -385,15 +441,18 @@ def test_hk_vmap_around_immediate_modules_steps_once_on_the_batch(mode):
   opt = optax.adam(1e-2)
   if mode == "current":
     expected = oracles.plain_steps(
-        _mse_loss(_without_rng(_per_example_mlp)), opt, params, data)
+      _mse_loss(_without_rng(_per_example_mlp)), opt, params, data
+    )
   else:
     names = tuple(f"mlp/~/linear_{i}" for i in range(3))
-    chain = oracles.Chain((oracles.dense,) * 3, names,
-                          (jax.nn.relu, jax.nn.relu, oracles.identity),
-                          oracles.mse)
+    chain = oracles.Chain(
+      (oracles.dense,) * 3,
+      names,
+      (jax.nn.relu, jax.nn.relu, oracles.identity),
+      oracles.mse,
+    )
     expected = oracles.sequential_steps(chain, opt, params, data)
-  got = oracles.immediate_steps(_mse_loss(model), opt, params, data,
-                                mode=mode)
+  got = oracles.immediate_steps(_mse_loss(model), opt, params, data, mode=mode)
   oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
 
 
@@ -419,6 +478,8 @@ def test_params_and_plain_training_unchanged_by_immediate():
     key = jax.random.PRNGKey(5)
     params = plain.init(key, x)
     chex.assert_trees_all_equal(ours.init(key, x), params)
-    grad = lambda m: jax.grad(lambda p: jnp.sum(m.apply(p, x) ** 2))(params)
+    grad = lambda m, p=params: jax.grad(lambda p: jnp.sum(m.apply(p, x) ** 2))(
+      p
+    )
     chex.assert_trees_all_equal(grad(ours), grad(plain))
   assert np.isfinite(float(jnp.sum(plain.apply(params, x))))

@@ -48,55 +48,112 @@ def _ids(shape, vocab):
 # name -> (make x, [(module name, make module from a namespace, act)]).
 # The namespace is ``hk`` or ``immgrad.haiku``: same constructor arguments.
 CASES = {
-    "linear": (_normal((8, 5)), [
-        ("a", lambda m: m.Linear(6, name="a"), jnp.tanh),
-        ("m", lambda m: m.Linear(4, name="m"), jnp.tanh),
-        ("z", lambda m: m.Linear(3, name="z"), oracles.identity)]),
-    "linear_no_bias": (_normal((8, 5)), [
-        ("a", lambda m: m.Linear(6, name="a"), jnp.tanh),
-        ("m", lambda m: m.Linear(4, with_bias=False, name="m"), jnp.tanh),
-        ("z", lambda m: m.Linear(3, name="z"), oracles.identity)]),
-    "conv1d": (_normal((4, 9, 2)), [
-        ("a", lambda m: m.Conv1D(3, 3, name="a"), jnp.tanh),
-        ("m", lambda m: m.Conv1D(4, 2, stride=2, padding="VALID", name="m"),
-         jnp.tanh),
-        ("z", lambda m: _flat(m.Linear(3, name="z")), oracles.identity)]),
-    "conv2d": (_normal((4, 6, 6, 2)), [
-        ("a", lambda m: m.Conv2D(3, (2, 3), name="a"), jnp.tanh),
-        ("m", lambda m: m.Conv2D(4, 3, rate=2, feature_group_count=1,
-                                 name="m"), jnp.tanh),
-        ("z", lambda m: _flat(m.Linear(3, name="z")), oracles.identity)]),
-    "conv2d_channels_first_grouped": (_normal((4, 4, 5, 5)), [
-        ("a", lambda m: m.Conv2D(4, 3, data_format="NCHW", name="a"),
-         jnp.tanh),
-        ("m", lambda m: m.Conv2D(4, 3, data_format="NCHW",
-                                 feature_group_count=2, name="m"), jnp.tanh),
-        ("z", lambda m: _flat(m.Linear(3, name="z")), oracles.identity)]),
-    "conv3d": (_normal((2, 4, 4, 4, 2)), [
-        ("a", lambda m: m.Conv3D(3, 2, name="a"), jnp.tanh),
-        ("m", lambda m: m.Conv3D(2, 2, name="m"), jnp.tanh),
-        ("z", lambda m: _flat(m.Linear(3, name="z")), oracles.identity)]),
-    "layer_norm": (_normal((8, 5)), [
-        ("a", lambda m: m.Linear(6, name="a"), jnp.tanh),
-        ("m", lambda m: m.LayerNorm(-1, True, True, name="m"), jnp.tanh),
-        ("z", lambda m: m.Linear(3, name="z"), oracles.identity)]),
-    "layer_norm_scale_only": (_normal((8, 5)), [
-        ("a", lambda m: m.Linear(6, name="a"), jnp.tanh),
-        ("m", lambda m: m.LayerNorm(-1, True, False, name="m"), jnp.tanh),
-        ("z", lambda m: m.Linear(3, name="z"), oracles.identity)]),
-    "rms_norm": (_normal((8, 5)), [
-        ("a", lambda m: m.Linear(6, name="a"), jnp.tanh),
-        ("m", lambda m: m.RMSNorm(-1, name="m"), jnp.tanh),
-        ("z", lambda m: m.Linear(3, name="z"), oracles.identity)]),
-    "embed": (_ids((8, 6), 11), [
-        ("m", lambda m: m.Embed(11, 5, name="m"), jnp.tanh),
-        ("a", lambda m: m.Linear(6, name="a"), jnp.tanh),
-        ("z", lambda m: m.Linear(3, name="z"), oracles.identity)]),
-    "embed_one_hot": (_ids((8, 6), 11), [
-        ("m", lambda m: m.Embed(11, 5, lookup_style="ONE_HOT", name="m"),
-         jnp.tanh),
-        ("a", lambda m: m.Linear(6, name="a"), jnp.tanh),
-        ("z", lambda m: m.Linear(3, name="z"), oracles.identity)]),
+  "linear": (
+    _normal((8, 5)),
+    [
+      ("a", lambda m: m.Linear(6, name="a"), jnp.tanh),
+      ("m", lambda m: m.Linear(4, name="m"), jnp.tanh),
+      ("z", lambda m: m.Linear(3, name="z"), oracles.identity),
+    ],
+  ),
+  "linear_no_bias": (
+    _normal((8, 5)),
+    [
+      ("a", lambda m: m.Linear(6, name="a"), jnp.tanh),
+      ("m", lambda m: m.Linear(4, with_bias=False, name="m"), jnp.tanh),
+      ("z", lambda m: m.Linear(3, name="z"), oracles.identity),
+    ],
+  ),
+  "conv1d": (
+    _normal((4, 9, 2)),
+    [
+      ("a", lambda m: m.Conv1D(3, 3, name="a"), jnp.tanh),
+      (
+        "m",
+        lambda m: m.Conv1D(4, 2, stride=2, padding="VALID", name="m"),
+        jnp.tanh,
+      ),
+      ("z", lambda m: _flat(m.Linear(3, name="z")), oracles.identity),
+    ],
+  ),
+  "conv2d": (
+    _normal((4, 6, 6, 2)),
+    [
+      ("a", lambda m: m.Conv2D(3, (2, 3), name="a"), jnp.tanh),
+      (
+        "m",
+        lambda m: m.Conv2D(4, 3, rate=2, feature_group_count=1, name="m"),
+        jnp.tanh,
+      ),
+      ("z", lambda m: _flat(m.Linear(3, name="z")), oracles.identity),
+    ],
+  ),
+  "conv2d_channels_first_grouped": (
+    _normal((4, 4, 5, 5)),
+    [
+      ("a", lambda m: m.Conv2D(4, 3, data_format="NCHW", name="a"), jnp.tanh),
+      (
+        "m",
+        lambda m: m.Conv2D(
+          4, 3, data_format="NCHW", feature_group_count=2, name="m"
+        ),
+        jnp.tanh,
+      ),
+      ("z", lambda m: _flat(m.Linear(3, name="z")), oracles.identity),
+    ],
+  ),
+  "conv3d": (
+    _normal((2, 4, 4, 4, 2)),
+    [
+      ("a", lambda m: m.Conv3D(3, 2, name="a"), jnp.tanh),
+      ("m", lambda m: m.Conv3D(2, 2, name="m"), jnp.tanh),
+      ("z", lambda m: _flat(m.Linear(3, name="z")), oracles.identity),
+    ],
+  ),
+  "layer_norm": (
+    _normal((8, 5)),
+    [
+      ("a", lambda m: m.Linear(6, name="a"), jnp.tanh),
+      ("m", lambda m: m.LayerNorm(-1, True, True, name="m"), jnp.tanh),
+      ("z", lambda m: m.Linear(3, name="z"), oracles.identity),
+    ],
+  ),
+  "layer_norm_scale_only": (
+    _normal((8, 5)),
+    [
+      ("a", lambda m: m.Linear(6, name="a"), jnp.tanh),
+      ("m", lambda m: m.LayerNorm(-1, True, False, name="m"), jnp.tanh),
+      ("z", lambda m: m.Linear(3, name="z"), oracles.identity),
+    ],
+  ),
+  "rms_norm": (
+    _normal((8, 5)),
+    [
+      ("a", lambda m: m.Linear(6, name="a"), jnp.tanh),
+      ("m", lambda m: m.RMSNorm(-1, name="m"), jnp.tanh),
+      ("z", lambda m: m.Linear(3, name="z"), oracles.identity),
+    ],
+  ),
+  "embed": (
+    _ids((8, 6), 11),
+    [
+      ("m", lambda m: m.Embed(11, 5, name="m"), jnp.tanh),
+      ("a", lambda m: m.Linear(6, name="a"), jnp.tanh),
+      ("z", lambda m: m.Linear(3, name="z"), oracles.identity),
+    ],
+  ),
+  "embed_one_hot": (
+    _ids((8, 6), 11),
+    [
+      (
+        "m",
+        lambda m: m.Embed(11, 5, lookup_style="ONE_HOT", name="m"),
+        jnp.tanh,
+      ),
+      ("a", lambda m: m.Linear(6, name="a"), jnp.tanh),
+      ("z", lambda m: m.Linear(3, name="z"), oracles.identity),
+    ],
+  ),
 }
 
 
@@ -115,8 +172,12 @@ def _setup(case):
     params[name] = t.init(key, x)
     funs.append(lambda h, p, t=t: t.apply(p, h))
     x = act(t.apply(params[name], x))
-  chain = oracles.Chain(tuple(funs), tuple(n for n, _, _ in layers),
-                        tuple(a for _, _, a in layers), oracles.mse)
+  chain = oracles.Chain(
+    tuple(funs),
+    tuple(n for n, _, _ in layers),
+    tuple(a for _, _, a in layers),
+    oracles.mse,
+  )
   data = []
   for key in jax.random.split(keys[-1], 5):
     kx, ky = jax.random.split(key)
@@ -144,14 +205,15 @@ def _split(merged, like):
 
 
 PATHS = {
-    "modules": lambda case: _model(case, immgrad.haiku),
-    "immediate": lambda case: _model(case, hk, immgrad.haiku.immediate),
+  "modules": lambda case: _model(case, immgrad.haiku),
+  "immediate": lambda case: _model(case, hk, immgrad.haiku.immediate),
 }
 
 
 def _loss(model):
   def loss_fn(params, x, y):
     return oracles.mse(model.apply(params, x), y)
+
   return loss_fn
 
 
@@ -160,10 +222,12 @@ def _loss(model):
 def test_current_equals_plain_haiku(case, path):
   _, params, data = _setup(case)
   opt = optax.adam(1e-2)
-  expected = oracles.plain_steps(_loss(_model(case, hk)), opt,
-                                 _merged(params), data)
-  got = oracles.immediate_steps(_loss(PATHS[path](case)), opt,
-                                _merged(params), data, mode="current")
+  expected = oracles.plain_steps(
+    _loss(_model(case, hk)), opt, _merged(params), data
+  )
+  got = oracles.immediate_steps(
+    _loss(PATHS[path](case)), opt, _merged(params), data, mode="current"
+  )
   oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
 
 
@@ -173,10 +237,12 @@ def test_updated_equals_sequential_reference(case, path):
   chain, params, data = _setup(case)
   opt = optax.adam(1e-2)
   expected_params, expected_losses = oracles.sequential_steps(
-      chain, opt, params, data)
+    chain, opt, params, data
+  )
   expected = ([_merged(p) for p in expected_params], expected_losses)
-  got = oracles.immediate_steps(_loss(PATHS[path](case)), opt,
-                                _merged(params), data, mode="updated")
+  got = oracles.immediate_steps(
+    _loss(PATHS[path](case)), opt, _merged(params), data, mode="updated"
+  )
   oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
 
 
@@ -184,32 +250,42 @@ def test_updated_differs_from_current():
   """The middle module's dX really comes from its new weights."""
   _, params, data = _setup("layer_norm")
   model = PATHS["modules"]("layer_norm")
-  runs = [oracles.immediate_steps(_loss(model), optax.adam(1e-2),
-                                  _merged(params), data, mode=mode)[0][-1]
-          for mode in ("current", "updated")]
+  runs = [
+    oracles.immediate_steps(
+      _loss(model), optax.adam(1e-2), _merged(params), data, mode=mode
+    )[0][-1]
+    for mode in ("current", "updated")
+  ]
   assert oracles.max_abs_diff(runs[0]["a"], runs[1]["a"]) > 1e-3
 
 
 # Each immgrad.haiku class against its hk class, same arguments and input.
 SAME_AS_HAIKU = {
-    "Linear": (lambda m: m.Linear(4), (2, 3)),
-    "Linear_w_init": (
-        lambda m: m.Linear(4, w_init=hk.initializers.Orthogonal(),
-                           b_init=hk.initializers.RandomNormal()), (2, 3)),
-    "Conv1D": (lambda m: m.Conv1D(4, 3), (2, 7, 3)),
-    "Conv2D": (lambda m: m.Conv2D(4, (3, 2), stride=2), (2, 6, 6, 3)),
-    "Conv2D_unbatched": (lambda m: m.Conv2D(4, 3), (6, 6, 3)),
-    "Conv3D": (lambda m: m.Conv3D(4, 2, with_bias=False), (2, 4, 4, 4, 3)),
-    "ConvND": (lambda m: m.ConvND(2, 4, 3, data_format="NCHW"),
-               (2, 3, 5, 5)),
-    "LayerNorm": (lambda m: m.LayerNorm(-1, True, True), (2, 6)),
-    "LayerNorm_param_axis": (
-        lambda m: m.LayerNorm((1, 2), True, True, param_axis=(1, 2)),
-        (2, 3, 4)),
-    "RMSNorm": (lambda m: m.RMSNorm(-1), (2, 6)),
-    "Embed": (lambda m: m.Embed(10, 4), None),
-    "Embed_matrix": (lambda m: m.Embed(
-        embedding_matrix=np.arange(12.0).reshape(4, 3)), None),
+  "Linear": (lambda m: m.Linear(4), (2, 3)),
+  "Linear_w_init": (
+    lambda m: m.Linear(
+      4,
+      w_init=hk.initializers.Orthogonal(),
+      b_init=hk.initializers.RandomNormal(),
+    ),
+    (2, 3),
+  ),
+  "Conv1D": (lambda m: m.Conv1D(4, 3), (2, 7, 3)),
+  "Conv2D": (lambda m: m.Conv2D(4, (3, 2), stride=2), (2, 6, 6, 3)),
+  "Conv2D_unbatched": (lambda m: m.Conv2D(4, 3), (6, 6, 3)),
+  "Conv3D": (lambda m: m.Conv3D(4, 2, with_bias=False), (2, 4, 4, 4, 3)),
+  "ConvND": (lambda m: m.ConvND(2, 4, 3, data_format="NCHW"), (2, 3, 5, 5)),
+  "LayerNorm": (lambda m: m.LayerNorm(-1, True, True), (2, 6)),
+  "LayerNorm_param_axis": (
+    lambda m: m.LayerNorm((1, 2), True, True, param_axis=(1, 2)),
+    (2, 3, 4),
+  ),
+  "RMSNorm": (lambda m: m.RMSNorm(-1), (2, 6)),
+  "Embed": (lambda m: m.Embed(10, 4), None),
+  "Embed_matrix": (
+    lambda m: m.Embed(embedding_matrix=np.arange(12.0).reshape(4, 3)),
+    None,
+  ),
 }
 
 
@@ -217,25 +293,27 @@ SAME_AS_HAIKU = {
 def test_parameters_and_outputs_equal_haiku(name):
   make, shape = SAME_AS_HAIKU[name]
   key = jax.random.PRNGKey(3)
-  x = (jnp.array([[0, 3, 2], [1, 1, 3]]) if shape is None else
-       jax.random.normal(key, shape))
+  x = (
+    jnp.array([[0, 3, 2], [1, 1, 3]])
+    if shape is None
+    else jax.random.normal(key, shape)
+  )
   ours = _transformed(lambda m: make(immgrad.haiku))
   theirs = _transformed(lambda m: make(hk))
   params = ours.init(key, x)
   expected = theirs.init(key, x)
   chex.assert_trees_all_equal(params, expected)  # Names, values.
   chex.assert_trees_all_equal_shapes_and_dtypes(params, expected)
-  chex.assert_trees_all_equal(ours.apply(params, x),
-                              theirs.apply(params, x))
+  chex.assert_trees_all_equal(ours.apply(params, x), theirs.apply(params, x))
 
 
 def test_call_time_layer_norm_scale_keeps_its_gradient():
   """A scale passed at call time is an input: its gradient must survive."""
+
   def forward(x, s):
     return hk.LayerNorm(-1, False, False)(x, scale=s)
 
-  model = hk.without_apply_rng(hk.transform(
-      immgrad.haiku.immediate(forward)))
+  model = hk.without_apply_rng(hk.transform(immgrad.haiku.immediate(forward)))
 
   def loss_fn(params, x):
     s = params["s"]
@@ -245,25 +323,30 @@ def test_call_time_layer_norm_scale_keeps_its_gradient():
   params = {"s": jnp.full((4,), 1.5)}
   tx = immgrad.shim(optax.sgd(1.0))
   _, grads = immgrad.value_and_grad(loss_fn, tx)(params, tx.init(params), x)
-  chex.assert_trees_all_close(grads["s"], jax.grad(loss_fn)(params, x)["s"],
-                              atol=ATOL, rtol=RTOL)
+  chex.assert_trees_all_close(
+    grads["s"], jax.grad(loss_fn)(params, x)["s"], atol=ATOL, rtol=RTOL
+  )
 
 
 def test_modules_not_chosen_keep_ordinary_gradients():
   case = "layer_norm"
   _, params, data = _setup(case)
-  model = _model(case, hk, functools.partial(immgrad.haiku.immediate,
-                                             modules=(hk.Linear,)))
+  model = _model(
+    case, hk, functools.partial(immgrad.haiku.immediate, modules=(hk.Linear,))
+  )
   tx = immgrad.shim(optax.adam(1e-2))
   merged = _merged(params)
   _, grads = immgrad.value_and_grad(_loss(model), tx)(
-      merged, tx.init(merged), *data[0])
+    merged, tx.init(merged), *data[0]
+  )
   assert isinstance(grads["a"]["w"], immgrad.ImmediateGrad)
   assert not isinstance(grads["m"]["scale"], immgrad.ImmediateGrad)
-  expected = oracles.plain_steps(_loss(_model(case, hk)), optax.adam(1e-2),
-                                 merged, data)
-  got = oracles.immediate_steps(_loss(model), optax.adam(1e-2), merged, data,
-                                mode="current")
+  expected = oracles.plain_steps(
+    _loss(_model(case, hk)), optax.adam(1e-2), merged, data
+  )
+  got = oracles.immediate_steps(
+    _loss(model), optax.adam(1e-2), merged, data, mode="current"
+  )
   oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
 
 

@@ -26,14 +26,13 @@ def test_update_below_a_bfloat16_ulp_survives():
   opt = optax.sgd(1e-3)  # Steps of about 1e-4: bfloat16's ulp at 1 is 2**-7.
   tx = immgrad.shim(opt)
   state = tx.init(params)
-  _, grads = jax.jit(immgrad.value_and_grad(loss_fn, tx))(
-      params, state, x, y)
+  _, grads = jax.jit(immgrad.value_and_grad(loss_fn, tx))(params, state, x, y)
   updates, _ = tx.update(grads, state, params)
   stepped = optax.apply_updates(params, updates)
   new = stepped["w"]
   assert new.dtype == jnp.float32
   step = jnp.abs(new - 1.0)
-  assert jnp.all((step > 0) & (step < 2.0 ** -8))
+  assert jnp.all((step > 0) & (step < 2.0**-8))
   assert jnp.all(new.astype(jnp.bfloat16) == 1)  # bf16 would have lost it.
 
   # Independent reference: the same casts by hand, plain grad and sgd.
@@ -51,8 +50,10 @@ def test_outside_a_step_compute_dtype_applies_too():
   layer = immgrad.immediate_layer(affine, compute_dtype=jnp.bfloat16)
   params = {"w": jnp.ones((4, 2)), "b": jnp.zeros(2)}
   assert layer(jnp.ones((1, 4)), params).dtype == jnp.bfloat16
-  assert jax.grad(lambda p: jnp.sum(layer(jnp.ones((1, 4)), p)))(
-      params)["w"].dtype == jnp.float32
+  assert (
+    jax.grad(lambda p: jnp.sum(layer(jnp.ones((1, 4)), p)))(params)["w"].dtype
+    == jnp.float32
+  )
 
 
 # -- immgrad.haiku.immediate(compute_dtype=...) ---------------------------
@@ -77,8 +78,9 @@ def _hand_cast_mlp(params, x):
 
 
 def test_haiku_compute_dtype_plain_and_immediate_match_a_hand_cast_model():
-  model = hk.without_apply_rng(hk.transform(immgrad.haiku.immediate(
-      _haiku_mlp, compute_dtype=BF16)))
+  model = hk.without_apply_rng(
+    hk.transform(immgrad.haiku.immediate(_haiku_mlp, compute_dtype=BF16))
+  )
   x = jax.random.normal(jax.random.PRNGKey(0), (32, 8))
   y = jax.random.normal(jax.random.PRNGKey(1), (32, 3))
   params = model.init(jax.random.PRNGKey(2), x)
@@ -98,11 +100,13 @@ def test_haiku_compute_dtype_plain_and_immediate_match_a_hand_cast_model():
   got, state = params, tx.init(params)
   ref_step = jax.jit(jax.grad(lambda p: loss(_hand_cast_mlp(p, x))))
   plain_step = jax.jit(jax.grad(lambda p: loss(model.apply(p, x))))
-  step = jax.jit(immgrad.value_and_grad(
-      lambda p: loss(model.apply(p, x)), tx, mode="current"))
+  step = jax.jit(
+    immgrad.value_and_grad(
+      lambda p: loss(model.apply(p, x)), tx, mode="current"
+    )
+  )
   for _ in range(4):
-    updates, ref_state = opt.update(ref_step(reference), ref_state,
-                                    reference)
+    updates, ref_state = opt.update(ref_step(reference), ref_state, reference)
     reference = optax.apply_updates(reference, updates)
     updates, plain_state = opt.update(plain_step(plain), plain_state, plain)
     plain = optax.apply_updates(plain, updates)
@@ -118,7 +122,14 @@ def test_haiku_compute_dtype_plain_and_immediate_match_a_hand_cast_model():
   chex.assert_trees_all_close(got, reference, atol=2e-6, rtol=0)
   assert {a.dtype for a in jax.tree.leaves(got)} == {jnp.dtype("float32")}
   # float32 compute lands measurably elsewhere: the cast is really there.
-  f32 = hk.without_apply_rng(hk.transform(immgrad.haiku.immediate(
-      _haiku_mlp)))
-  assert float(jnp.max(jnp.abs(f32.apply(params, x).astype(jnp.float32) -
-                                out.astype(jnp.float32)))) > 1e-3
+  f32 = hk.without_apply_rng(hk.transform(immgrad.haiku.immediate(_haiku_mlp)))
+  assert (
+    float(
+      jnp.max(
+        jnp.abs(
+          f32.apply(params, x).astype(jnp.float32) - out.astype(jnp.float32)
+        )
+      )
+    )
+    > 1e-3
+  )

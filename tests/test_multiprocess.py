@@ -39,13 +39,26 @@ def test_two_processes_equal_one_and_each_other(tmp_path):
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)  # Each worker makes its own 2 devices.
   env["PYTHONPATH"] = os.pathsep.join(
-      [str(HERE.parent), str(HERE), env.get("PYTHONPATH", "")])
+    [str(HERE.parent), str(HERE), env.get("PYTHONPATH", "")]
+  )
   port = _free_port()
   outs = [tmp_path / f"process{i}.npz" for i in range(2)]
-  workers = [subprocess.Popen(
-      [sys.executable, str(HERE / "multiprocess_worker.py"), str(i),
-       str(port), str(out)], env=env, stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT, text=True) for i, out in enumerate(outs)]
+  workers = [
+    subprocess.Popen(
+      [
+        sys.executable,
+        str(HERE / "multiprocess_worker.py"),
+        str(i),
+        str(port),
+        str(out),
+      ],
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for i, out in enumerate(outs)
+  ]
   try:
     logs = [w.communicate(timeout=300)[0] for w in workers]
   finally:
@@ -60,13 +73,18 @@ def test_two_processes_equal_one_and_each_other(tmp_path):
     np.testing.assert_array_equal(first[key], second[key], err_msg=key)
 
   history, _ = oracles.sequential_steps(
-      problem.CHAIN, problem.optimizer(), problem.params(), problem.batches())
+    problem.CHAIN, problem.optimizer(), problem.params(), problem.batches()
+  )
   expected = jax.tree_util.tree_flatten_with_path(history[-1])[0]
   for kind in KINDS:
     for path, leaf in expected:
       np.testing.assert_allclose(
-          first[kind + jax.tree_util.keystr(path)], np.asarray(leaf),
-          atol=1e-6, rtol=1e-5, err_msg=kind)
+        first[kind + jax.tree_util.keystr(path)],
+        np.asarray(leaf),
+        atol=1e-6,
+        rtol=1e-5,
+        err_msg=kind,
+      )
     assert bool(first[f"{kind}:same_sharding"]), kind
   # adam's mu and nu of the 3 weight matrices: split like the weights.
   assert list(first["fsdp:state_specs"]) == ["data"] * 6

@@ -18,11 +18,11 @@ a missing mean would leave replicas with different weights.
 import chex
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import immgrad
 import models
@@ -30,17 +30,24 @@ import oracles
 
 ATOL, RTOL = 1e-6, 1e-5
 DEVICES = 4
-TRANSFORMS = ["pmap", "shard_map_check_vma", "shard_map_no_check_vma",
-              "jit_mesh"]
+TRANSFORMS = [
+  "pmap",
+  "shard_map_check_vma",
+  "shard_map_no_check_vma",
+  "jit_mesh",
+]
 
 
-UPDATED_OPTIMIZERS = {"adam": lambda: optax.adam(1e-2),
-                      "momentum": lambda: optax.sgd(0.1, momentum=0.9)}
+UPDATED_OPTIMIZERS = {
+  "adam": lambda: optax.adam(1e-2),
+  "momentum": lambda: optax.sgd(0.1, momentum=0.9),
+}
 
 
 def _scanned_problem():
   """mode="updated", adam: the 3 hidden layers stacked under immgrad.scan
-  (its own backward loop), against the sequential reference unrolled."""
+  (its own backward loop), against the sequential reference unrolled.
+  """
   opt = optax.adam(1e-2)
   chain, params = oracles.mlp([6, 16, 16, 16, 16, 3], jax.random.PRNGKey(0))
   data = oracles.batches(jax.random.PRNGKey(1), 3, (16, 6), (16, 3))
@@ -49,13 +56,17 @@ def _scanned_problem():
 
   def pack(p):
     hidden = [p[f"layer{i}"] for i in (1, 2, 3)]
-    return {"in": p["layer0"], "out": p["layer4"],
-            "blocks": jax.tree.map(lambda *a: jnp.stack(a), *hidden)}
+    return {
+      "in": p["layer0"],
+      "out": p["layer4"],
+      "blocks": jax.tree.map(lambda *a: jnp.stack(a), *hidden),
+    }
 
   def loss_fn(params, x, y):
     h = jax.nn.relu(dense(x, params["in"]))
-    h, _ = immgrad.scan(lambda h, p: (jax.nn.relu(dense(h, p)), None), h,
-                        params["blocks"])
+    h, _ = immgrad.scan(
+      lambda h, p: (jax.nn.relu(dense(h, p)), None), h, params["blocks"]
+    )
     return oracles.mse(dense(h, params["out"]), y)
 
   return loss_fn, opt, pack(params), data, [pack(e) for e in expected]
@@ -80,11 +91,12 @@ def _problem(mode, updated_opt="adam"):
 
 def _step(loss_fn, tx, mode, axis_name):
   def step(params, state, *batch):
-    _, grads = immgrad.value_and_grad(loss_fn, tx, mode=mode,
-                                      axis_name=axis_name)(params, state,
-                                                           *batch)
+    _, grads = immgrad.value_and_grad(
+      loss_fn, tx, mode=mode, axis_name=axis_name
+    )(params, state, *batch)
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
+
   return step
 
 
@@ -96,10 +108,15 @@ def _replicas_equal(stacked):
 
 
 @pytest.mark.parametrize("transform", TRANSFORMS)
-@pytest.mark.parametrize("mode,updated_opt", [("current", None),
-                                              ("updated", "adam"),
-                                              ("updated", "momentum"),
-                                              ("updated", "scanned")])
+@pytest.mark.parametrize(
+  "mode,updated_opt",
+  [
+    ("current", None),
+    ("updated", "adam"),
+    ("updated", "momentum"),
+    ("updated", "scanned"),
+  ],
+)
 def test_data_parallel_equals_single_device(mode, updated_opt, transform):
   assert jax.device_count() >= DEVICES, "conftest.py sets 4 CPU devices"
   loss_fn, opt, params, data, expected = _problem(mode, updated_opt)
@@ -115,13 +132,15 @@ def test_data_parallel_equals_single_device(mode, updated_opt, transform):
       params, state = step(params, state, *map(split, batch))
       _replicas_equal(params)
       _replicas_equal(state)
-      chex.assert_trees_all_close(jax.tree.map(lambda a: a[0], params),
-                                  expected[i], atol=ATOL, rtol=RTOL)
+      chex.assert_trees_all_close(
+        jax.tree.map(lambda a: a[0], params), expected[i], atol=ATOL, rtol=RTOL
+      )
     return
 
   mesh = jax.make_mesh((DEVICES,), ("d",))
   put = lambda t, spec: jax.tree.map(
-      lambda a: jax.device_put(a, NamedSharding(mesh, spec)), t)
+    lambda a: jax.device_put(a, NamedSharding(mesh, spec)), t
+  )
   params, state = put(params, P()), put(state, P())
 
   if transform == "jit_mesh":
@@ -138,10 +157,15 @@ def test_data_parallel_equals_single_device(mode, updated_opt, transform):
     copies = jax.tree.map(lambda a: a[None], (params, state))
     return params, state, copies
 
-  step = jax.jit(jax.shard_map(
-      body, mesh=mesh, in_specs=(P(), P()) + (P("d"),) * len(data[0]),
+  step = jax.jit(
+    jax.shard_map(
+      body,
+      mesh=mesh,
+      in_specs=(P(), P()) + (P("d"),) * len(data[0]),
       out_specs=(P(), P(), P("d")),
-      check_vma=transform == "shard_map_check_vma"))
+      check_vma=transform == "shard_map_check_vma",
+    )
+  )
   for i, batch in enumerate(data):
     params, state, copies = step(params, state, *put(batch, P("d")))
     _replicas_equal(copies)
@@ -151,28 +175,40 @@ def test_data_parallel_equals_single_device(mode, updated_opt, transform):
 def test_fsdp_sharded_stack_keeps_its_sharding():
   """Stacked weights sharded over the mesh (FSDP style) under immgrad.scan,
   jit over the mesh: the new weights and adam moments keep the weights'
-  sharding, and equal the single-device sequential reference."""
+  sharding, and equal the single-device sequential reference.
+  """
   loss_fn, opt, params, data, expected = _scanned_problem()
-  mesh = jax.make_mesh((DEVICES,), ("d",),
-                       axis_types=(jax.sharding.AxisType.Auto,))
+  mesh = jax.make_mesh(
+    (DEVICES,), ("d",), axis_types=(jax.sharding.AxisType.Auto,)
+  )
   fsdp = {"w": P(None, "d", None), "b": P(None, "d")}
-  specs = {"in": {"w": P(), "b": P()}, "out": {"w": P(), "b": P()},
-           "blocks": fsdp}
+  specs = {
+    "in": {"w": P(), "b": P()},
+    "out": {"w": P(), "b": P()},
+    "blocks": fsdp,
+  }
   params = jax.tree.map(
-      lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), params, specs)
+    lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), params, specs
+  )
   tx = immgrad.shim(opt)
   state = tx.init(params)
   step = jax.jit(_step(loss_fn, tx, "updated", None))
   for i, (x, y) in enumerate(data):
-    params, state = step(params, state,
-                         jax.device_put(x, NamedSharding(mesh, P("d"))), y)
+    params, state = step(
+      params, state, jax.device_put(x, NamedSharding(mesh, P("d"))), y
+    )
     chex.assert_trees_all_close(params, expected[i], atol=ATOL, rtol=RTOL)
   for name, spec in fsdp.items():
     same = lambda a, spec=spec: a.sharding.is_equivalent_to(
-        NamedSharding(mesh, spec), a.ndim)
+      NamedSharding(mesh, spec), a.ndim
+    )
     assert same(params["blocks"][name]), params["blocks"][name].sharding
-    (adam,) = [s for s in jax.tree.leaves(
-        state.inner, is_leaf=lambda s: isinstance(s, optax.ScaleByAdamState))
-               if isinstance(s, optax.ScaleByAdamState)]
+    (adam,) = [
+      s
+      for s in jax.tree.leaves(
+        state.inner, is_leaf=lambda s: isinstance(s, optax.ScaleByAdamState)
+      )
+      if isinstance(s, optax.ScaleByAdamState)
+    ]
     moments = [adam.mu["blocks"][name], adam.nu["blocks"][name]]
     assert moments and all(same(m) for m in moments), moments

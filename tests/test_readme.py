@@ -16,5 +16,6 @@ def test_readme_training_step_runs():
   first = scope["loss"]
   for _ in range(20):
     scope["params"], scope["opt_state"], loss = scope["train_step"](
-        scope["params"], scope["opt_state"], scope["x"], scope["y"])
+      scope["params"], scope["opt_state"], scope["x"], scope["y"]
+    )
   assert jnp.isfinite(loss) and loss < first

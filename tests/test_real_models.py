@@ -18,8 +18,9 @@ the same tolerance.
 import pytest
 
 pytest.importorskip(
-    "flax", reason="immgrad.flax needs the flax extra "
-    "(flax 0.12.8 needs jax >= 0.10)")
+  "flax",
+  reason="immgrad.flax needs the flax extra (flax 0.12.8 needs jax >= 0.10)",
+)
 # pylint: disable=g-import-not-at-top,wrong-import-position
 
 import chex
@@ -54,6 +55,7 @@ def _plain(loss_fn, tx):
     grads = jax.grad(loss_fn)(params, batch)
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
+
   return step
 
 
@@ -61,13 +63,16 @@ def _immediate(loss_fn, tx, mode="current"):
   @jax.jit
   def step(params, state, batch):
     _, grads = immgrad.value_and_grad(loss_fn, tx, mode=mode)(
-        params, state, batch)
+      params, state, batch
+    )
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
+
   return step
 
 
 # -- miniGPT-like, on a mesh (Flax's miniGPT tutorial's kind of model) ------
+
 
 def _sharded(init, spec):
   return nnx.with_partitioning(init, spec)
@@ -81,16 +86,26 @@ class _Block(nnx.Module):
     zeros = nnx.initializers.zeros_init()
     self.ln1 = nnx.LayerNorm(D, rngs=rngs)
     self.attention = nnx.MultiHeadAttention(
-        num_heads=HEADS, in_features=D, decode=False, rngs=rngs,
-        kernel_init=_sharded(kernel, (None, "model")),
-        bias_init=_sharded(zeros, ("model",)))
+      num_heads=HEADS,
+      in_features=D,
+      decode=False,
+      rngs=rngs,
+      kernel_init=_sharded(kernel, (None, "model")),
+      bias_init=_sharded(zeros, ("model",)),
+    )
     self.ln2 = nnx.LayerNorm(
-        D, rngs=rngs, scale_init=_sharded(nnx.initializers.ones_init(),
-                                          ("model",)),
-        bias_init=_sharded(zeros, ("model",)))
-    self.up = nnx.Linear(D, 4 * D, rngs=rngs,
-                         kernel_init=_sharded(kernel, (None, "model")),
-                         bias_init=_sharded(zeros, ("model",)))
+      D,
+      rngs=rngs,
+      scale_init=_sharded(nnx.initializers.ones_init(), ("model",)),
+      bias_init=_sharded(zeros, ("model",)),
+    )
+    self.up = nnx.Linear(
+      D,
+      4 * D,
+      rngs=rngs,
+      kernel_init=_sharded(kernel, (None, "model")),
+      bias_init=_sharded(zeros, ("model",)),
+    )
     self.down = nnx.Linear(4 * D, D, rngs=rngs)
 
   def __call__(self, x, mask):
@@ -99,24 +114,26 @@ class _Block(nnx.Module):
 
 
 class _MiniGPT(nnx.Module):
-
   def __init__(self, explicit, rngs):
     self.explicit = explicit
     self.tokens = nnx.Embed(VOCAB, D, rngs=rngs)
     self.positions = nnx.Embed(T, D, rngs=rngs)
     self.blocks = nnx.List([_Block(rngs) for _ in range(BLOCKS)])
     self.head = nnx.Linear(
-        D, VOCAB, rngs=rngs,
-        kernel_init=_sharded(nnx.initializers.xavier_uniform(),
-                             (None, "model")),
-        bias_init=_sharded(nnx.initializers.zeros_init(), ("model",)))
+      D,
+      VOCAB,
+      rngs=rngs,
+      kernel_init=_sharded(nnx.initializers.xavier_uniform(), (None, "model")),
+      bias_init=_sharded(nnx.initializers.zeros_init(), ("model",)),
+    )
 
   def __call__(self, ids):
     # Under Explicit axes the gather of a batch-sharded input needs its
     # output sharding spelled out, as the tutorial does.
     kwargs = lambda spec: {"out_sharding": spec} if self.explicit else {}
-    x = (self.tokens(ids, **kwargs(P("batch"))) +
-         self.positions(jnp.arange(ids.shape[1])[None], **kwargs(P())))
+    x = self.tokens(ids, **kwargs(P("batch"))) + self.positions(
+      jnp.arange(ids.shape[1])[None], **kwargs(P())
+    )
     mask = nnx.make_causal_mask(ids)
     for block in self.blocks:
       x = block(x, mask)
@@ -129,13 +146,20 @@ def _lm_loss(logits, targets):
   return -jnp.mean(jnp.sum(log_probs * jax.nn.one_hot(targets, VOCAB), -1))
 
 
-@pytest.mark.parametrize("axis_type, atomic", [
-    (AxisType.Explicit, True), (AxisType.Explicit, False),
-    (AxisType.Auto, True)], ids=["explicit", "explicit-not_atomic", "auto"])
+@pytest.mark.parametrize(
+  "axis_type, atomic",
+  [
+    (AxisType.Explicit, True),
+    (AxisType.Explicit, False),
+    (AxisType.Auto, True),
+  ],
+  ids=["explicit", "explicit-not_atomic", "auto"],
+)
 def test_minigpt_on_a_mesh_trains_as_plain(axis_type, atomic):
   """Issue 24: the atomic check combined differently sharded leaves."""
-  mesh = jax.make_mesh((2, 2), ("batch", "model"),
-                       axis_types=(axis_type, axis_type))
+  mesh = jax.make_mesh(
+    (2, 2), ("batch", "model"), axis_types=(axis_type, axis_type)
+  )
   with jax.set_mesh(mesh):
     model = _MiniGPT(axis_type == AxisType.Explicit, nnx.Rngs(0))
     graphdef, params = nnx.split(model, nnx.Param)
@@ -145,31 +169,45 @@ def test_minigpt_on_a_mesh_trains_as_plain(axis_type, atomic):
       logits = nnx.merge(graphdef, params)(ids[:, :-1])
       return _lm_loss(logits, ids[:, 1:])
 
-    batches = [jax.device_put(
+    batches = [
+      jax.device_put(
         jax.random.randint(jax.random.PRNGKey(i), (4, T + 1), 0, VOCAB),
-        NamedSharding(mesh, P("batch"))) for i in range(STEPS)]
+        NamedSharding(mesh, P("batch")),
+      )
+      for i in range(STEPS)
+    ]
     # eps=1e-3: attention's key bias has a gradient that is zero but for
     # rounding (~1e-9, softmax ignores it), which adam's default eps would
     # scale up to +-lr, differently in two fusions of the same arithmetic.
     adam = optax.adam(1e-2, eps=1e-3)
     want = _train(loss_fn, params, batches, adam, _plain(loss_fn, adam))
     tx = immgrad.shim(adam, atomic=atomic)
-    got = _train(loss_fn, params, batches, tx,
-                 _immediate(immgrad.flax.immediate(loss_fn), tx))
+    got = _train(
+      loss_fn,
+      params,
+      batches,
+      tx,
+      _immediate(immgrad.flax.immediate(loss_fn), tx),
+    )
     chex.assert_trees_all_close(got, want, atol=ATOL, rtol=RTOL)
     assert got["head"]["kernel"].sharding.spec == kernel_spec
     # "updated" runs there too, and moves the model.
-    updated = _train(loss_fn, params, batches, tx,
-                     _immediate(immgrad.flax.immediate(loss_fn), tx,
-                                mode="updated"))
+    updated = _train(
+      loss_fn,
+      params,
+      batches,
+      tx,
+      _immediate(immgrad.flax.immediate(loss_fn), tx, mode="updated"),
+    )
     assert float(loss_fn(updated, batches[0])) < float(
-        loss_fn(params, batches[0]))
+      loss_fn(params, batches[0])
+    )
 
 
 # -- tied embeddings (Gemma, wmt) --------------------------------------------
 
-class _TiedLM(nnx.Module):
 
+class _TiedLM(nnx.Module):
   def __init__(self, rngs):
     self.embed = nnx.Embed(VOCAB, D, rngs=rngs)
     self.hidden = nnx.Linear(D, D, rngs=rngs)
@@ -184,20 +222,26 @@ def _tied():
   def loss_fn(params, ids):
     return _lm_loss(nnx.merge(graphdef, params)(ids[:, :-1]), ids[:, 1:])
 
-  batches = [jax.random.randint(jax.random.PRNGKey(i), (4, T + 1), 0, VOCAB)
-             for i in range(STEPS)]
+  batches = [
+    jax.random.randint(jax.random.PRNGKey(i), (4, T + 1), 0, VOCAB)
+    for i in range(STEPS)
+  ]
   return loss_fn, params, batches
 
 
 def test_tied_embedding_refusal_says_the_fix():
   loss_fn, params, batches = _tied()
   tx = immgrad.shim(optax.adam(1e-2))
-  with pytest.raises(ValueError, match=r"'embed'\]\['embedding'\].*"
-                     r"'nnx.Embed' and also by an ordinary operation.*tied "
-                     r"weights.*leave that layer's module class out of "
-                     r"`modules=`"):
+  with pytest.raises(
+    ValueError,
+    match=r"'embed'\]\['embedding'\].*"
+    r"'nnx.Embed' and also by an ordinary operation.*tied "
+    r"weights.*leave that layer's module class out of "
+    r"`modules=`",
+  ):
     _immediate(immgrad.flax.immediate(loss_fn), tx)(
-        params, tx.init(params), batches[0])
+      params, tx.init(params), batches[0]
+    )
 
 
 def test_tied_embedding_left_out_of_modules_trains_as_plain():
@@ -206,10 +250,14 @@ def test_tied_embedding_left_out_of_modules_trains_as_plain():
   adam = optax.adam(1e-2)
   want = _train(loss_fn, params, batches, adam, _plain(loss_fn, adam))
   tx = immgrad.shim(adam)
-  modules = tuple(m for m in immgrad.flax.DEFAULT_MODULES
-                  if m is not nnx.Embed)
-  got = _train(loss_fn, params, batches, tx, _immediate(
-      immgrad.flax.immediate(loss_fn, modules=modules), tx))
+  modules = tuple(m for m in immgrad.flax.DEFAULT_MODULES if m is not nnx.Embed)
+  got = _train(
+    loss_fn,
+    params,
+    batches,
+    tx,
+    _immediate(immgrad.flax.immediate(loss_fn, modules=modules), tx),
+  )
   chex.assert_trees_all_close(got, want, atol=ATOL, rtol=RTOL)
 
 
@@ -219,32 +267,45 @@ WD = 1e-2
 
 
 def _l2():
-  graphdef, params = nnx.split(nnx.Sequential(
-      nnx.Linear(5, 8, rngs=nnx.Rngs(0)), jnp.tanh,
-      nnx.Linear(8, 3, rngs=nnx.Rngs(1))), nnx.Param)
+  graphdef, params = nnx.split(
+    nnx.Sequential(
+      nnx.Linear(5, 8, rngs=nnx.Rngs(0)),
+      jnp.tanh,
+      nnx.Linear(8, 3, rngs=nnx.Rngs(1)),
+    ),
+    nnx.Param,
+  )
 
   def data_loss(params, batch):
     x, y = batch
     return jnp.mean((nnx.merge(graphdef, params)(x) - y) ** 2)
 
   def l2_loss(params, batch):
-    l2 = sum(jnp.sum(w ** 2) for w in jax.tree.leaves(params))
+    l2 = sum(jnp.sum(w**2) for w in jax.tree.leaves(params))
     return data_loss(params, batch) + WD * l2
 
   keys = jax.random.split(jax.random.PRNGKey(2), 2 * STEPS)
-  batches = [(jax.random.normal(keys[2 * i], (6, 5)),
-              jax.random.normal(keys[2 * i + 1], (6, 3)))
-             for i in range(STEPS)]
+  batches = [
+    (
+      jax.random.normal(keys[2 * i], (6, 5)),
+      jax.random.normal(keys[2 * i + 1], (6, 3)),
+    )
+    for i in range(STEPS)
+  ]
   return data_loss, l2_loss, params, batches
 
 
 def test_l2_in_the_loss_refusal_says_the_fix():
   _, l2_loss, params, batches = _l2()
   tx = immgrad.shim(optax.sgd(0.1))
-  with pytest.raises(ValueError, match=r"also by an ordinary operation.*L2 "
-                     r"penalty.*optax.add_decayed_weights or optax.adamw"):
+  with pytest.raises(
+    ValueError,
+    match=r"also by an ordinary operation.*L2 "
+    r"penalty.*optax.add_decayed_weights or optax.adamw",
+  ):
     _immediate(immgrad.flax.immediate(l2_loss), tx)(
-        params, tx.init(params), batches[0])
+      params, tx.init(params), batches[0]
+    )
 
 
 def test_l2_moved_into_the_optimizer_trains_as_plain():
@@ -253,6 +314,11 @@ def test_l2_moved_into_the_optimizer_trains_as_plain():
   sgd = optax.sgd(0.1)
   want = _train(l2_loss, params, batches, sgd, _plain(l2_loss, sgd))
   tx = immgrad.shim(optax.chain(optax.add_decayed_weights(2 * WD), sgd))
-  got = _train(data_loss, params, batches, tx,
-               _immediate(immgrad.flax.immediate(data_loss), tx))
+  got = _train(
+    data_loss,
+    params,
+    batches,
+    tx,
+    _immediate(immgrad.flax.immediate(data_loss), tx),
+  )
   chex.assert_trees_all_close(got, want, atol=ATOL, rtol=RTOL)

@@ -30,12 +30,14 @@ import immgrad.haiku
 
 try:
   import equinox as eqx
+
   import immgrad.equinox
 except ImportError:  # equinox 0.13.8 refuses jax 0.7.0 and 0.7.1.
   eqx = None
 try:
   from flax import linen as nn
   from flax import nnx
+
   import immgrad.flax
 except ImportError:  # flax 0.12.8 needs jax >= 0.10.
   nn = nnx = None
@@ -83,7 +85,8 @@ def assert_trains_as_plain(loss_fn, params, batches, stepped):
   @jax.jit
   def ours(params, state, x):
     loss, grads = immgrad.value_and_grad(loss_fn, tx, mode="current")(
-        params, state, x)
+      params, state, x
+    )
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state, loss, grads
 
@@ -105,6 +108,7 @@ def assert_refused(loss_fn, params, x, match):
 
 
 # -- Flax Linen ----------------------------------------------------------------
+
 
 def _linen_loss(model, x, modules=None):
   variables = model.init(jax.random.PRNGKey(0), x)
@@ -143,9 +147,13 @@ def test_linen_std_conv_overriding_param_is_refused():
   x = _batches((2, 6, 6, 3))
   net = _linen_net(lambda: StdConv(4, (3, 3)))
   loss_fn, params = _linen_loss(net, x[0])
-  assert_refused(loss_fn, params, x[0],
-                 r"nn.Conv subclass StdConv overrides param\(\), which "
-                 r"nn.Conv's call relies on.*Leave nn.Conv out of `modules=`")
+  assert_refused(
+    loss_fn,
+    params,
+    x[0],
+    r"nn.Conv subclass StdConv overrides param\(\), which "
+    r"nn.Conv's call relies on.*Leave nn.Conv out of `modules=`",
+  )
   # Leaving nn.Conv out trains it ordinarily, as plain training does.
   loss_fn, params = _linen_loss(net, x[0], modules=(nn.Dense,))
   assert_trains_as_plain(loss_fn, params, x, 2)
@@ -158,13 +166,17 @@ def test_linen_embed_overriding_setup_is_refused():
   class HalfEmbed(nn.Embed):
     def setup(self):
       self.embedding = 0.5 * self.param(
-          "embedding", self.embedding_init,
-          (self.num_embeddings, self.features), self.param_dtype)
+        "embedding",
+        self.embedding_init,
+        (self.num_embeddings, self.features),
+        self.param_dtype,
+      )
 
   model, ids = HalfEmbed(5, 3), jnp.array([0, 3, 4])
   loss_fn, params = _linen_loss(model, ids)
-  assert_refused(loss_fn, params, ids,
-                 r"nn.Embed subclass HalfEmbed overrides setup\(\)")
+  assert_refused(
+    loss_fn, params, ids, r"nn.Embed subclass HalfEmbed overrides setup\(\)"
+  )
 
 
 @needs_flax
@@ -185,28 +197,35 @@ def test_linen_subclass_with_own_call_and_fields_trains_as_plain():
 
 
 @needs_flax
-@pytest.mark.parametrize("wrapper", ["WeightNorm", "SpectralNorm",
-                                     "map_variables"])
+@pytest.mark.parametrize(
+  "wrapper", ["WeightNorm", "SpectralNorm", "map_variables"]
+)
 def test_linen_weight_wrappers_are_refused(wrapper):
   wrap = {
-      "WeightNorm": lambda: nn.WeightNorm(nn.Dense(4)),
-      "SpectralNorm": lambda: functools.partial(
-          nn.SpectralNorm(nn.Dense(4)), update_stats=False),
-      "map_variables": lambda: nn.map_variables(
-          nn.Dense, "params", lambda v: jax.tree.map(lambda a: 2 * a, v),
-          init=True)(4),
+    "WeightNorm": lambda: nn.WeightNorm(nn.Dense(4)),
+    "SpectralNorm": lambda: functools.partial(
+      nn.SpectralNorm(nn.Dense(4)), update_stats=False
+    ),
+    "map_variables": lambda: nn.map_variables(
+      nn.Dense, "params", lambda v: jax.tree.map(lambda a: 2 * a, v), init=True
+    )(4),
   }[wrapper]
   x = _batches((2, 5))[0]
   loss_fn, params = _linen_loss(_linen_net(wrap), x)
-  assert_refused(loss_fn, params, x,
-                 r"nn.Dense '.*' reads its parameter '(kernel|bias)' as an "
-                 r"array computed from the params.*Leave nn.Dense out")
+  assert_refused(
+    loss_fn,
+    params,
+    x,
+    r"nn.Dense '.*' reads its parameter '(kernel|bias)' as an "
+    r"array computed from the params.*Leave nn.Dense out",
+  )
 
 
 def _scale_dense_inputs(next_fun, args, kwargs, context):
   """A Linen interceptor: doubles the inputs of nn.Dense's calls."""
   if isinstance(context.module, nn.Dense) and context.method_name == (
-      "__call__"):
+    "__call__"
+  ):
     args = (2.0 * args[0],) + args[1:]
   return next_fun(*args, **kwargs)
 
@@ -221,12 +240,17 @@ def test_linen_interceptor_inside_is_refused_and_outside_trains_as_plain():
     with nn.intercept_methods(_scale_dense_inputs):
       return jnp.mean(model.apply({"params": params}, x) ** 2)
 
-  assert_refused(immgrad.flax.immediate(inside), variables["params"], x[0],
-                 "interceptor .*_scale_dense_inputs.* installed inside it, "
-                 "would be skipped for nn.Dense 'layers_0'")
+  assert_refused(
+    immgrad.flax.immediate(inside),
+    variables["params"],
+    x[0],
+    "interceptor .*_scale_dense_inputs.* installed inside it, "
+    "would be skipped for nn.Dense 'layers_0'",
+  )
 
   immediate = immgrad.flax.immediate(
-      lambda p, x: jnp.mean(model.apply({"params": p}, x) ** 2))
+    lambda p, x: jnp.mean(model.apply({"params": p}, x) ** 2)
+  )
 
   def outside(params, x):
     with nn.intercept_methods(_scale_dense_inputs):
@@ -236,6 +260,7 @@ def test_linen_interceptor_inside_is_refused_and_outside_trains_as_plain():
 
 
 # -- Flax NNX ------------------------------------------------------------------
+
 
 def _nnx_loss(model):
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -261,9 +286,13 @@ def test_nnx_kernel_read_through_a_property_is_refused():
 
   model = StdLinear(5, 3, rngs=nnx.Rngs(0))
   loss_fn, params = _nnx_loss(model)
-  assert_refused(loss_fn, params, _batches((2, 5))[0],
-                 "nnx.Linear subclass StdLinear reads its parameter "
-                 "'kernel' as an array computed from the params")
+  assert_refused(
+    loss_fn,
+    params,
+    _batches((2, 5))[0],
+    "nnx.Linear subclass StdLinear reads its parameter "
+    "'kernel' as an array computed from the params",
+  )
 
 
 @needs_flax
@@ -271,12 +300,19 @@ def test_nnx_kernel_read_through_a_property_is_refused():
 def test_nnx_weight_wrappers_are_refused(wrapper):
   rngs = nnx.Rngs(0)
   layer = nnx.Linear(5, 3, rngs=rngs)
-  model = (nnx.WeightNorm(layer, rngs=rngs) if wrapper == "WeightNorm" else
-           nnx.SpectralNorm(layer, update_stats=False, rngs=rngs))
+  model = (
+    nnx.WeightNorm(layer, rngs=rngs)
+    if wrapper == "WeightNorm"
+    else nnx.SpectralNorm(layer, update_stats=False, rngs=rngs)
+  )
   loss_fn, params = _nnx_loss(model)
-  assert_refused(loss_fn, params, _batches((2, 5))[0],
-                 "nnx.Linear reads its parameter '(kernel|bias)' as an "
-                 "array computed from the params.*Leave nnx.Linear out")
+  assert_refused(
+    loss_fn,
+    params,
+    _batches((2, 5))[0],
+    "nnx.Linear reads its parameter '(kernel|bias)' as an "
+    "array computed from the params.*Leave nnx.Linear out",
+  )
 
 
 @needs_flax
@@ -305,6 +341,7 @@ def test_nnx_subclasses_with_own_call_train_as_plain():
 
 # -- Haiku ---------------------------------------------------------------------
 
+
 def _haiku_loss(forward, x):
   model = hk.without_apply_rng(hk.transform(immgrad.haiku.immediate(forward)))
   params = model.init(jax.random.PRNGKey(0), x)
@@ -324,7 +361,8 @@ def _unchanged(next_getter, value, context):
 @pytest.mark.parametrize("getter", [_double, _unchanged])
 def test_haiku_custom_getter(getter):
   """A getter that changes the weights is refused; one that only looks at
-  them (the very array) trains as plain."""
+  them (the very array) trains as plain.
+  """
 
   def forward(x):
     with hk.custom_getter(getter):
@@ -333,9 +371,13 @@ def test_haiku_custom_getter(getter):
   x = _batches((4, 5))
   loss_fn, params = _haiku_loss(forward, x[0])
   if getter is _double:
-    assert_refused(loss_fn, params, x[0],
-                   "hk.Linear 'mlp/~/linear_0' reads its parameter '(w|b)' "
-                   "as an array computed from the params.*custom getter")
+    assert_refused(
+      loss_fn,
+      params,
+      x[0],
+      "hk.Linear 'mlp/~/linear_0' reads its parameter '(w|b)' "
+      "as an array computed from the params.*custom getter",
+    )
   else:
     assert_trains_as_plain(loss_fn, params, x, 4)
 
@@ -347,8 +389,12 @@ def test_haiku_mixed_precision_policy_is_refused():
   try:
     x = _batches((2, 5))[0]
     loss_fn, params = _haiku_loss(lambda x: hk.Linear(3)(x), x)
-    assert_refused(loss_fn, params, x, "hk.Linear 'linear' reads its "
-                   "parameter '(w|b)' as an array computed")
+    assert_refused(
+      loss_fn,
+      params,
+      x,
+      "hk.Linear 'linear' reads its parameter '(w|b)' as an array computed",
+    )
   finally:
     hk.mixed_precision.clear_policy(hk.Linear)
 
@@ -362,12 +408,17 @@ def test_haiku_embeddings_read_through_a_property_is_refused():
       return _standardise(super().embeddings, (0,))
 
   ids = jnp.array([0, 3, 4])
-  model = hk.without_apply_rng(hk.transform(immgrad.haiku.immediate(
-      lambda i: StdEmbed(5, 3)(i))))
+  model = hk.without_apply_rng(
+    hk.transform(immgrad.haiku.immediate(lambda i: StdEmbed(5, 3)(i)))
+  )
   params = model.init(jax.random.PRNGKey(0), ids)
-  assert_refused(lambda p, i: jnp.sum(model.apply(p, i)), params, ids,
-                 "hk.Embed 'std_embed' reads its parameter 'embeddings' as "
-                 "an array computed")
+  assert_refused(
+    lambda p, i: jnp.sum(model.apply(p, i)),
+    params,
+    ids,
+    "hk.Embed 'std_embed' reads its parameter 'embeddings' as "
+    "an array computed",
+  )
 
 
 def test_haiku_subclasses_with_own_call_train_as_plain():
@@ -379,8 +430,12 @@ def test_haiku_subclasses_with_own_call_train_as_plain():
 
   class OwnCall(hk.Linear):  # Never reaches hk.Linear's: ordinary.
     def __call__(self, x):
-      w = hk.get_parameter("w", [x.shape[-1], self.output_size], x.dtype,
-                           init=hk.initializers.RandomNormal())
+      w = hk.get_parameter(
+        "w",
+        [x.shape[-1], self.output_size],
+        x.dtype,
+        init=hk.initializers.RandomNormal(),
+      )
       return x @ _standardise(w, (0,))
 
   def forward(x):
@@ -394,7 +449,8 @@ def test_haiku_subclasses_with_own_call_train_as_plain():
 def _scale_linear_inputs(next_f, args, kwargs, context):
   """A Haiku interceptor: doubles the inputs of hk.Linear's calls."""
   if isinstance(context.module, hk.Linear) and context.method_name == (
-      "__call__"):
+    "__call__"
+  ):
     args = (2.0 * args[0],) + args[1:]
   return next_f(*args, **kwargs)
 
@@ -406,9 +462,13 @@ def test_haiku_interceptor_inside_is_refused_and_outside_trains_as_plain():
 
   x = _batches((4, 5))
   loss_fn, params = _haiku_loss(inside, x[0])
-  assert_refused(loss_fn, params, x[0],
-                 "interceptor .*_scale_linear_inputs.* installed inside it, "
-                 "would be skipped for hk.Linear 'mlp/~/linear_0'")
+  assert_refused(
+    loss_fn,
+    params,
+    x[0],
+    "interceptor .*_scale_linear_inputs.* installed inside it, "
+    "would be skipped for hk.Linear 'mlp/~/linear_0'",
+  )
 
   immediate = immgrad.haiku.immediate(lambda x: hk.nets.MLP([4, 3])(x))
 
@@ -418,11 +478,13 @@ def test_haiku_interceptor_inside_is_refused_and_outside_trains_as_plain():
 
   model = hk.without_apply_rng(hk.transform(outside))
   params = model.init(jax.random.PRNGKey(0), x[0])
-  assert_trains_as_plain(lambda p, x: jnp.mean(model.apply(p, x) ** 2),
-                         params, x, 4)
+  assert_trains_as_plain(
+    lambda p, x: jnp.mean(model.apply(p, x) ** 2), params, x, 4
+  )
 
 
 # -- Equinox -------------------------------------------------------------------
+
 
 def _equinox_loss(model, state=None):
   params, static = eqx.partition(model, eqx.is_inexact_array)
@@ -431,9 +493,10 @@ def _equinox_loss(model, state=None):
     model = eqx.combine(params, static)
     if state is None:
       return jnp.mean(jax.vmap(model)(x) ** 2)
-    y, _ = jax.vmap(model, in_axes=(0, None), out_axes=(0, None),
-                    axis_name="batch")(x, state)
-    return jnp.mean(y ** 2)
+    y, _ = jax.vmap(
+      model, in_axes=(0, None), out_axes=(0, None), axis_name="batch"
+    )(x, state)
+    return jnp.mean(y**2)
 
   return immgrad.equinox.immediate(loss_fn), params
 
@@ -447,11 +510,16 @@ def test_equinox_weight_wrappers_are_refused(wrapper):
     model = eqx.nn.WeightNorm(layer)
   else:
     model, state = eqx.nn.make_with_state(eqx.nn.SpectralNorm)(
-        layer, "weight", key=key)
+      layer, "weight", key=key
+    )
   loss_fn, params = _equinox_loss(model, state)
-  assert_refused(loss_fn, params, _batches((2, 5))[0],
-                 "eqx.nn.Linear reads its parameter 'weight' as an array "
-                 "computed from the params.*Leave eqx.nn.Linear out")
+  assert_refused(
+    loss_fn,
+    params,
+    _batches((2, 5))[0],
+    "eqx.nn.Linear reads its parameter 'weight' as an array "
+    "computed from the params.*Leave eqx.nn.Linear out",
+  )
 
 
 @needs_equinox
@@ -487,9 +555,14 @@ def test_equinox_conv_overriding_its_padding_is_refused():
     def _nonzero_pad(self, x):
       return jnp.pad(x, [(0, 0), (1, 1), (1, 1)], mode="edge")
 
-  model = EdgePadConv(3, 2, 3, padding=1, padding_mode="REFLECT",
-                      key=jax.random.key(0))
+  model = EdgePadConv(
+    3, 2, 3, padding=1, padding_mode="REFLECT", key=jax.random.key(0)
+  )
   loss_fn, params = _equinox_loss(model)
-  assert_refused(loss_fn, params, _batches((2, 3, 5, 5))[0],
-                 r"eqx.nn.Conv subclass EdgePadConv overrides "
-                 r"_nonzero_pad\(\).*Leave eqx.nn.Conv out")
+  assert_refused(
+    loss_fn,
+    params,
+    _batches((2, 3, 5, 5))[0],
+    r"eqx.nn.Conv subclass EdgePadConv overrides "
+    r"_nonzero_pad\(\).*Leave eqx.nn.Conv out",
+  )

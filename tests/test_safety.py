@@ -14,19 +14,29 @@ import tiny
 
 def _of(state, name):
   """The moments of parameter group ``name`` in a shim's (optax) state."""
-  return [s.mu[name] for s in jax.tree.leaves(
-      state.inner, is_leaf=lambda s: isinstance(s, optax.ScaleByAdamState))
-          if isinstance(s, optax.ScaleByAdamState)], [
-      s.nu[name] for s in jax.tree.leaves(
-          state.inner,
-          is_leaf=lambda s: isinstance(s, optax.ScaleByAdamState))
-      if isinstance(s, optax.ScaleByAdamState)]
+  return [
+    s.mu[name]
+    for s in jax.tree.leaves(
+      state.inner, is_leaf=lambda s: isinstance(s, optax.ScaleByAdamState)
+    )
+    if isinstance(s, optax.ScaleByAdamState)
+  ], [
+    s.nu[name]
+    for s in jax.tree.leaves(
+      state.inner, is_leaf=lambda s: isinstance(s, optax.ScaleByAdamState)
+    )
+    if isinstance(s, optax.ScaleByAdamState)
+  ]
 
 
 def _count(state):
-  (adam,) = [s for s in jax.tree.leaves(
-      state.inner, is_leaf=lambda s: isinstance(s, optax.ScaleByAdamState))
-             if isinstance(s, optax.ScaleByAdamState)]
+  (adam,) = [
+    s
+    for s in jax.tree.leaves(
+      state.inner, is_leaf=lambda s: isinstance(s, optax.ScaleByAdamState)
+    )
+    if isinstance(s, optax.ScaleByAdamState)
+  ]
   return int(adam.count)
 
 
@@ -45,8 +55,9 @@ def test_layer_not_reached_keeps_weights_and_state(jit):
   # The others did step (and the shared adam count moved on).
   for name in ("l1", "l3"):
     assert not jnp.array_equal(new_params[name]["w"], params[name]["w"])
-    assert not jnp.array_equal(_of(new_state, name)[0][0]["w"],
-                               _of(state, name)[0][0]["w"])
+    assert not jnp.array_equal(
+      _of(new_state, name)[0][0]["w"], _of(state, name)[0][0]["w"]
+    )
   assert _count(new_state) == 1
 
 
@@ -74,6 +85,7 @@ def test_stop_gradient_parameter_is_left_alone():
   state = tx.init(params)
   new_params, new_state = step(params, state, *tiny.data())
   chex.assert_trees_all_equal(new_params["l2"]["w"], params["l2"]["w"])
-  chex.assert_trees_all_equal([m["w"] for m in sum(_of(new_state, "l2"),
-                                                   [])],
-                              [m["w"] for m in sum(_of(state, "l2"), [])])
+  chex.assert_trees_all_equal(
+    [m["w"] for m in sum(_of(new_state, "l2"), [])],
+    [m["w"] for m in sum(_of(state, "l2"), [])],
+  )

@@ -27,23 +27,28 @@ dense = immgrad.immediate_layer(oracles.dense)
 
 
 def _params():
-  chain, unrolled = oracles.mlp([WIDTH] * (LAYERS + 1) + [3],
-                                jax.random.PRNGKey(0), act=jnp.tanh)
+  chain, unrolled = oracles.mlp(
+    [WIDTH] * (LAYERS + 1) + [3], jax.random.PRNGKey(0), act=jnp.tanh
+  )
   return chain, unrolled
 
 
 def _stacked(unrolled):
   blocks = [unrolled[f"layer{i}"] for i in range(LAYERS)]
-  return {"blocks": jax.tree.map(lambda *a: jnp.stack(a), *blocks),
-          "head": unrolled[f"layer{LAYERS}"]}
+  return {
+    "blocks": jax.tree.map(lambda *a: jnp.stack(a), *blocks),
+    "head": unrolled[f"layer{LAYERS}"],
+  }
 
 
 def _scan_loss(reverse=False):
   def loss_fn(params, x, y):
     def block(h, p):
       return jnp.tanh(dense(h, p)), None
+
     h, _ = immgrad.scan(block, x, params["blocks"], reverse=reverse)
     return oracles.mse(dense(h, params["head"]), y)
+
   return loss_fn
 
 
@@ -53,19 +58,19 @@ def _data():
 
 def _expected(kind, opt, chain, unrolled, data):
   if kind == "current":
-    history, losses = oracles.plain_steps(chain.loss_fn(), opt, unrolled,
-                                          data)
+    history, losses = oracles.plain_steps(chain.loss_fn(), opt, unrolled, data)
   else:
     history, losses = oracles.sequential_steps(chain, opt, unrolled, data)
   return [_stacked(p) for p in history], losses
 
 
 OPTIMIZERS = {
-    "sgd": lambda: optax.sgd(0.1),
-    "adam": lambda: optax.adam(1e-2),
-    "lion": lambda: optax.lion(1e-3),
-    "clip_by_layer_norm": lambda: optax.chain(
-        immgrad.clip_by_layer_norm(0.05), optax.sgd(0.1)),
+  "sgd": lambda: optax.sgd(0.1),
+  "adam": lambda: optax.adam(1e-2),
+  "lion": lambda: optax.lion(1e-3),
+  "clip_by_layer_norm": lambda: optax.chain(
+    immgrad.clip_by_layer_norm(0.05), optax.sgd(0.1)
+  ),
 }
 
 
@@ -76,10 +81,12 @@ def test_scan_equals_unrolled(mode, opt_name):
   chain, unrolled = _params()
   data = _data()
   opt = OPTIMIZERS[opt_name]()
-  got = oracles.immediate_steps(_scan_loss(), opt, _stacked(unrolled), data,
-                                mode=mode)
-  oracles.assert_runs_close(got, _expected(mode, opt, chain, unrolled, data),
-                            atol=ATOL, rtol=RTOL)
+  got = oracles.immediate_steps(
+    _scan_loss(), opt, _stacked(unrolled), data, mode=mode
+  )
+  oracles.assert_runs_close(
+    got, _expected(mode, opt, chain, unrolled, data), atol=ATOL, rtol=RTOL
+  )
 
 
 def test_reverse_scan_equals_reversed_layers():
@@ -96,8 +103,9 @@ def test_reverse_scan_equals_reversed_layers():
     for i in range(LAYERS):
       back[f"layer{i}"] = p[f"layer{LAYERS - 1 - i}"]
     expected.append(_stacked(back))
-  got = oracles.immediate_steps(_scan_loss(reverse=True), opt,
-                                _stacked(unrolled), data, mode="updated")
+  got = oracles.immediate_steps(
+    _scan_loss(reverse=True), opt, _stacked(unrolled), data, mode="updated"
+  )
   oracles.assert_runs_close(got, (expected, losses), atol=ATOL, rtol=RTOL)
 
 
@@ -112,37 +120,47 @@ def test_shared_step_count_is_one_per_step():
     _, grads = step(params, state, x, y)
     updates, state = tx.update(grads, state, params)
     params = optax.apply_updates(params, updates)
-  counts = [leaf for leaf in jax.tree.leaves(state.inner)
-            if jnp.issubdtype(leaf.dtype, jnp.integer)]
+  counts = [
+    leaf
+    for leaf in jax.tree.leaves(state.inner)
+    if jnp.issubdtype(leaf.dtype, jnp.integer)
+  ]
   assert [int(c) for c in counts] == [STEPS] * len(counts)
 
 
 def test_scan_without_parameters_is_lax_scan():
   def f(c, x):
     return c + x, c * x
+
   xs = jnp.arange(4.0)
-  chex.assert_trees_all_equal(immgrad.scan(f, 1.0, xs),
-                              jax.lax.scan(f, 1.0, xs))
+  chex.assert_trees_all_equal(
+    immgrad.scan(f, 1.0, xs), jax.lax.scan(f, 1.0, xs)
+  )
 
 
 def _per_leaf_norm():
   """A per-tensor rule whose float state has no layer axis."""
+
   def init(params):
     return jax.tree.map(lambda p: jnp.zeros(()), params)
 
   def update(grads, state, params=None):
     del state, params
-    norms = jax.tree.map(lambda g: jnp.sqrt(jnp.sum(g ** 2)), grads)
+    norms = jax.tree.map(lambda g: jnp.sqrt(jnp.sum(g**2)), grads)
     return jax.tree.map(lambda g, n: g / (n + 1.0), grads, norms), norms
 
   return optax.GradientTransformation(init, update)
 
 
-@pytest.mark.parametrize("opt", [
+@pytest.mark.parametrize(
+  "opt",
+  [
     _per_leaf_norm,
     # Factors a stacked (layers, width) bias, but not one layer's (width,).
     lambda: optax.adafactor(1e-2, min_dim_size_to_factor=2),
-], ids=["scalar_float_state", "adafactor"])
+  ],
+  ids=["scalar_float_state", "adafactor"],
+)
 def test_state_that_cannot_be_split_per_layer_is_an_error(opt):
   _, unrolled = _params()
   params = _stacked(unrolled)
@@ -170,11 +188,13 @@ def _counting(opt, calls):
   def update(grads, state, params=None):
     jax.debug.callback(lambda: calls.append(1))
     return opt.update(grads, state, params)
+
   return optax.GradientTransformation(opt.init, update)
 
 
-@pytest.mark.parametrize("policy", [None,
-                                    jax.checkpoint_policies.nothing_saveable])
+@pytest.mark.parametrize(
+  "policy", [None, jax.checkpoint_policies.nothing_saveable]
+)
 @pytest.mark.parametrize("mode", ["current", "updated"])
 def test_checkpoint_changes_nothing_and_updates_once(mode, policy):
   chain, unrolled = _params()
@@ -192,8 +212,9 @@ def test_checkpoint_changes_nothing_and_updates_once(mode, policy):
     return oracles.mse(dense(h, params[f"layer{LAYERS}"]), y)
 
   calls = []
-  got = oracles.immediate_steps(loss_fn, _counting(optax.adam(1e-2), calls),
-                                unrolled, data, mode=mode)
+  got = oracles.immediate_steps(
+    loss_fn, _counting(optax.adam(1e-2), calls), unrolled, data, mode=mode
+  )
   jax.effects_barrier()
   # The callback is in every parameter's program (plan.py keeps effects),
   # which runs twice per step: in its layer's backward rule (the finiteness
@@ -209,13 +230,16 @@ def test_checkpoint_changes_nothing_and_updates_once(mode, policy):
   oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
 
 
-@pytest.mark.skipif(compat.JAX_VERSION < (0, 10, 2),
-                    reason="jax.checkpoint has static_argnames from 0.10.2")
+@pytest.mark.skipif(
+  compat.JAX_VERSION < (0, 10, 2),
+  reason="jax.checkpoint has static_argnames from 0.10.2",
+)
 def test_checkpoint_static_argnames_changes_nothing():
   chain, unrolled = _params()
   data = _data()
-  remat = immgrad.checkpoint(lambda h, p, act: act(dense(h, p)),
-                             static_argnames=("act",))
+  remat = immgrad.checkpoint(
+    lambda h, p, act: act(dense(h, p)), static_argnames=("act",)
+  )
 
   def loss_fn(params, x, y):
     h = x
@@ -229,8 +253,10 @@ def test_checkpoint_static_argnames_changes_nothing():
   oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
 
 
-@pytest.mark.skipif(compat.JAX_VERSION >= (0, 10, 2),
-                    reason="only jax < 0.10.2 lacks checkpoint static_argnames")
+@pytest.mark.skipif(
+  compat.JAX_VERSION >= (0, 10, 2),
+  reason="only jax < 0.10.2 lacks checkpoint static_argnames",
+)
 def test_checkpoint_static_argnames_on_old_jax_is_a_clear_error():
   with pytest.raises(TypeError, match="needs jax >= 0.10.2"):
     immgrad.checkpoint(lambda h, act: act(h), static_argnames=("act",))
@@ -243,16 +269,20 @@ def test_scan_inside_checkpoint():
 
   def loss_fn(params, x, y):
     def stack(h, blocks):
-      return immgrad.scan(lambda h, p: (jnp.tanh(dense(h, p)), None), h,
-                          blocks)[0]
+      return immgrad.scan(
+        lambda h, p: (jnp.tanh(dense(h, p)), None), h, blocks
+      )[0]
+
     h = immgrad.checkpoint(stack)(x, params["blocks"])
     return oracles.mse(dense(h, params["head"]), y)
 
   opt = optax.adam(1e-2)
-  got = oracles.immediate_steps(loss_fn, opt, _stacked(unrolled), data,
-                                mode="updated")
-  oracles.assert_runs_close(got, _expected("updated", opt, chain, unrolled,
-                                           data), atol=ATOL, rtol=RTOL)
+  got = oracles.immediate_steps(
+    loss_fn, opt, _stacked(unrolled), data, mode="updated"
+  )
+  oracles.assert_runs_close(
+    got, _expected("updated", opt, chain, unrolled, data), atol=ATOL, rtol=RTOL
+  )
   assert np.all(np.isfinite(got[1]))
 
 
@@ -270,11 +300,14 @@ def _busy_loss(params, x, y):
     h, count = carry
     p, gain, n = inputs
     h = jnp.tanh(dense(h, p) * gain + params["shift"] + n)
-    return (h, count + 1), jnp.sum(h ** 2)
+    return (h, count + 1), jnp.sum(h**2)
 
   (h, count), ys = immgrad.scan(
-      block, (x, jnp.int32(0)), (params["blocks"], params["gain"], noise),
-      unroll=2)
+    block,
+    (x, jnp.int32(0)),
+    (params["blocks"], params["gain"], noise),
+    unroll=2,
+  )
   del count
   return oracles.mse(dense(h, params["head"]), y) + 1e-2 * jnp.mean(ys)
 
@@ -282,8 +315,9 @@ def _busy_loss(params, x, y):
 def _busy_params():
   _, unrolled = _params()
   params = _stacked(unrolled)
-  params["gain"] = 1.0 + 0.1 * jax.random.normal(jax.random.PRNGKey(2),
-                                                  (LAYERS, WIDTH))
+  params["gain"] = 1.0 + 0.1 * jax.random.normal(
+    jax.random.PRNGKey(2), (LAYERS, WIDTH)
+  )
   params["shift"] = jnp.full((WIDTH,), 0.05)
   return params
 
@@ -293,12 +327,12 @@ def test_scan_body_with_ordinary_inputs_equals_plain(opt_name):
   """mode="current": the scan's own backward loop gives every input JAX's
   gradient (stacked, summed over layers, or carried) and steps the layers.
   The reference is the same loss under plain jax.value_and_grad, where
-  immgrad.scan is lax.scan and the layer its undecorated function."""
+  immgrad.scan is lax.scan and the layer its undecorated function.
+  """
   opt = OPTIMIZERS[opt_name]()
   params, data = _busy_params(), _data()
   expected = oracles.plain_steps(_busy_loss, opt, params, data)
-  got = oracles.immediate_steps(_busy_loss, opt, params, data,
-                                mode="current")
+  got = oracles.immediate_steps(_busy_loss, opt, params, data, mode="current")
   oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
 
 
@@ -306,27 +340,36 @@ def test_stacked_parameter_used_by_a_layer_and_ordinarily_is_an_error():
   def loss_fn(params, x, y):
     def block(h, p):
       return jnp.tanh(dense(h, p)) + jnp.sum(p["b"]), None
+
     h, _ = immgrad.scan(block, x, params["blocks"])
     return oracles.mse(dense(h, params["head"]), y)
 
   _, unrolled = _params()
   params = _stacked(unrolled)
   tx = immgrad.shim(optax.sgd(0.1))
-  with pytest.raises(ValueError, match=r"\['blocks'\]\['b'\] is used by "
-                     "immediate layer .* and also by an ordinary operation"):
+  with pytest.raises(
+    ValueError,
+    match=r"\['blocks'\]\['b'\] is used by "
+    "immediate layer .* and also by an ordinary operation",
+  ):
     immgrad.value_and_grad(loss_fn, tx)(params, tx.init(params), *_data()[0])
 
 
 @pytest.mark.parametrize("mode", ["current", "updated"])
 def test_nested_scans_equal_unrolled(mode):
   """Blocks of blocks: an outer scan over 2 groups, an inner over 2 layers,
-  parameters stacked (2, 2, ...); equal to the 4 layers unrolled."""
+  parameters stacked (2, 2, ...); equal to the 4 layers unrolled.
+  """
   chain, unrolled = _params()
   data, opt = _data(), optax.adam(1e-2)
 
   def nest(params):
-    return dict(params, blocks=jax.tree.map(
-        lambda a: a.reshape((2, 2) + a.shape[1:]), params["blocks"]))
+    return dict(
+      params,
+      blocks=jax.tree.map(
+        lambda a: a.reshape((2, 2) + a.shape[1:]), params["blocks"]
+      ),
+    )
 
   def loss_fn(params, x, y):
     def layer(h, p):
@@ -339,34 +382,46 @@ def test_nested_scans_equal_unrolled(mode):
     return oracles.mse(dense(h, params["head"]), y)
 
   history, losses = oracles.immediate_steps(
-      loss_fn, opt, nest(_stacked(unrolled)), data, mode=mode)
+    loss_fn, opt, nest(_stacked(unrolled)), data, mode=mode
+  )
   expected, expected_losses = _expected(mode, opt, chain, unrolled, data)
   oracles.assert_runs_close(
-      (history, losses), ([nest(p) for p in expected], expected_losses),
-      atol=ATOL, rtol=RTOL)
+    (history, losses),
+    ([nest(p) for p in expected], expected_losses),
+    atol=ATOL,
+    rtol=RTOL,
+  )
 
 
 def test_checkpoint_inside_scan_updates_once():
   """Remat inside a scanned block (hk.remat in hk.layer_stack): equal to
   plain training, and each layer's update runs once per step, not again
-  when the block is recomputed."""
+  when the block is recomputed.
+  """
   chain, unrolled = _params()
   data, calls = _data(), []
   block = immgrad.checkpoint(lambda h, p: jnp.tanh(dense(h, p)))
 
   def loss_fn(params, x, y):
-    h, _ = immgrad.scan(lambda h, p: (block(h, p), None), x,
-                        params["blocks"])
+    h, _ = immgrad.scan(lambda h, p: (block(h, p), None), x, params["blocks"])
     return oracles.mse(dense(h, params["head"]), y)
 
-  got = oracles.immediate_steps(loss_fn, _counting(optax.adam(1e-2), calls),
-                                _stacked(unrolled), data, mode="current")
+  got = oracles.immediate_steps(
+    loss_fn,
+    _counting(optax.adam(1e-2), calls),
+    _stacked(unrolled),
+    data,
+    mode="current",
+  )
   jax.effects_barrier()
   # Two calls per parameter leaf (w and b of each layer, and the head) and
   # step: the backward rule and the commit each step every layer's slice
   # once; and one for the shared step count. A rematerialised backward rule
   # would make the first term three.
   assert len(calls) == (2 * len(jax.tree.leaves(unrolled)) + 1) * STEPS
-  oracles.assert_runs_close(got, _expected("current", optax.adam(1e-2),
-                                           chain, unrolled, data),
-                            atol=ATOL, rtol=RTOL)
+  oracles.assert_runs_close(
+    got,
+    _expected("current", optax.adam(1e-2), chain, unrolled, data),
+    atol=ATOL,
+    rtol=RTOL,
+  )

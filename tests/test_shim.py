@@ -16,29 +16,39 @@ def dense(x, p):
 
 
 def _loss(params, x, y):
-  return jnp.mean((dense(jnp.tanh(dense(x, params["l1"])), params["l2"]) - y)
-                  ** 2)
+  return jnp.mean(
+    (dense(jnp.tanh(dense(x, params["l1"])), params["l2"]) - y) ** 2
+  )
 
 
 def _params():
   k1, k2 = jax.random.split(jax.random.PRNGKey(0))
-  return {"l1": {"w": jax.random.normal(k1, (3, 5)), "b": jnp.zeros(5)},
-          "l2": {"w": jax.random.normal(k2, (5, 2)), "b": jnp.zeros(2)}}
+  return {
+    "l1": {"w": jax.random.normal(k1, (3, 5)), "b": jnp.zeros(5)},
+    "l2": {"w": jax.random.normal(k2, (5, 2)), "b": jnp.zeros(2)},
+  }
 
 
 def _data():
   return jnp.linspace(-1, 1, 12).reshape(4, 3), jnp.ones((4, 2))
 
 
-@pytest.mark.parametrize("tx", [
-    optax.sgd(0.1, momentum=0.9, nesterov=True), optax.adam(1e-3),
-    optax.adamw(optax.cosine_decay_schedule(1e-3, 100)), optax.lion(1e-3),
-    optax.rmsprop(1e-3), optax.adafactor(1e-3), optax.lamb(1e-3),
+@pytest.mark.parametrize(
+  "tx",
+  [
+    optax.sgd(0.1, momentum=0.9, nesterov=True),
+    optax.adam(1e-3),
+    optax.adamw(optax.cosine_decay_schedule(1e-3, 100)),
+    optax.lion(1e-3),
+    optax.rmsprop(1e-3),
+    optax.adafactor(1e-3),
+    optax.lamb(1e-3),
     optax.chain(optax.clip(1.0), optax.adam(1e-3)),
     optax.chain(optax.clip_by_block_rms(1.0), optax.sgd(1e-2)),
     optax.inject_hyperparams(optax.adam)(learning_rate=1e-3),
     optax.adamw(1e-3, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)),
-])
+  ],
+)
 def test_per_parameter_transformations_are_accepted(tx):
   immgrad.shim(tx)
 
@@ -49,16 +59,26 @@ def test_integer_step_count_is_exact_past_float32(start):
   tx = immgrad.shim(optax.adam(1e-3))
   params = _params()
   state = tx.init(params)
-  state = state._replace(inner=jax.tree.map(
-      lambda s: s._replace(count=jnp.asarray(start, jnp.int32))
-      if isinstance(s, optax.ScaleByAdamState) else s, state.inner,
-      is_leaf=lambda s: isinstance(s, optax.ScaleByAdamState)))
-  _, grads = jax.jit(immgrad.value_and_grad(_loss, tx))(params, state,
-                                                        *_data())
+  state = state._replace(
+    inner=jax.tree.map(
+      lambda s: (
+        s._replace(count=jnp.asarray(start, jnp.int32))
+        if isinstance(s, optax.ScaleByAdamState)
+        else s
+      ),
+      state.inner,
+      is_leaf=lambda s: isinstance(s, optax.ScaleByAdamState),
+    )
+  )
+  _, grads = jax.jit(immgrad.value_and_grad(_loss, tx))(params, state, *_data())
   _, state = tx.update(grads, state, params)
-  counts = [s.count for s in jax.tree.leaves(
-      state.inner, is_leaf=lambda s: isinstance(s, optax.ScaleByAdamState))
-            if isinstance(s, optax.ScaleByAdamState)]
+  counts = [
+    s.count
+    for s in jax.tree.leaves(
+      state.inner, is_leaf=lambda s: isinstance(s, optax.ScaleByAdamState)
+    )
+    if isinstance(s, optax.ScaleByAdamState)
+  ]
   assert len(counts) == 1  # Optax's layout: one count for all parameters.
   for count in counts:
     assert count.dtype == jnp.int32
@@ -67,8 +87,7 @@ def test_integer_step_count_is_exact_past_float32(start):
 
 def test_schedule_runs_at_true_step_speed():
   schedule = optax.linear_schedule(1.0, 0.0, 10)
-  tx = immgrad.shim(optax.inject_hyperparams(optax.sgd)(
-      learning_rate=schedule))
+  tx = immgrad.shim(optax.inject_hyperparams(optax.sgd)(learning_rate=schedule))
   step = jax.jit(immgrad.value_and_grad(_loss, tx))
   params = _params()
   state = tx.init(params)
@@ -77,12 +96,14 @@ def test_schedule_runs_at_true_step_speed():
     updates, state = tx.update(grads, state, params)
     params = optax.apply_updates(params, updates)
   for leaf_state in jax.tree.leaves(
-      state.inner, is_leaf=lambda s: isinstance(s, optax.InjectHyperparamsState)):
+    state.inner, is_leaf=lambda s: isinstance(s, optax.InjectHyperparamsState)
+  ):
     if isinstance(leaf_state, optax.InjectHyperparamsState):
       assert int(leaf_state.count) == 4
       # The rate used in step 4 was schedule(3); the stored one is for it.
-      np.testing.assert_allclose(leaf_state.hyperparams["learning_rate"],
-                                 schedule(3), rtol=1e-6)
+      np.testing.assert_allclose(
+        leaf_state.hyperparams["learning_rate"], schedule(3), rtol=1e-6
+      )
 
 
 def _ulp(x):
@@ -93,12 +114,19 @@ def test_apply_updates_lands_on_smuggled_weights():
   """Bitwise in the Sterbenz range, within 1 ulp of max(|p|, |new|) always."""
   rng = np.random.default_rng(0)
   n = 200_000
-  p = (rng.choice([-1, 1], n) * rng.uniform(1, 2, n) *
-       2.0 ** rng.integers(-20, 20, n)).astype(np.float32)
-  new = (rng.choice([-1, 1], n) * rng.uniform(1, 2, n) *
-         2.0 ** rng.integers(-20, 20, n)).astype(np.float32)
+  p = (
+    rng.choice([-1, 1], n)
+    * rng.uniform(1, 2, n)
+    * 2.0 ** rng.integers(-20, 20, n)
+  ).astype(np.float32)
+  new = (
+    rng.choice([-1, 1], n)
+    * rng.uniform(1, 2, n)
+    * 2.0 ** rng.integers(-20, 20, n)
+  ).astype(np.float32)
   new[: n // 2] = (p[: n // 2] * rng.uniform(0.5, 2, n // 2)).astype(
-      np.float32)  # Half of them a step of less than half the weight.
+    np.float32
+  )  # Half of them a step of less than half the weight.
   tx = immgrad.shim(optax.sgd(1.0))
   params = {"w": jnp.asarray(p)}
   state = tx.init(params)

@@ -19,28 +19,31 @@ import oracles
 ATOL, RTOL = 1e-6, 1e-5
 
 OPTIMIZERS = {
-    "sgd": lambda: optax.sgd(0.05),
-    "momentum": lambda: optax.sgd(0.05, momentum=0.9),
-    "adam": lambda: optax.adam(1e-2),
+  "sgd": lambda: optax.sgd(0.05),
+  "momentum": lambda: optax.sgd(0.05, momentum=0.9),
+  "adam": lambda: optax.adam(1e-2),
 }
 
 
 def _setup(act):
-  chain, params = oracles.mlp([6, 16, 16, 16, 3], jax.random.PRNGKey(0),
-                              act=act)
+  chain, params = oracles.mlp(
+    [6, 16, 16, 16, 3], jax.random.PRNGKey(0), act=act
+  )
   data = oracles.batches(jax.random.PRNGKey(1), 5, (8, 6), (8, 3))
   return chain, params, data
 
 
-@pytest.mark.parametrize("act", [jax.nn.relu, jax.numpy.tanh],
-                         ids=["relu", "tanh"])
+@pytest.mark.parametrize(
+  "act", [jax.nn.relu, jax.numpy.tanh], ids=["relu", "tanh"]
+)
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_updated_equals_sequential_relinearization(name, act):
   chain, params, data = _setup(act)
   opt = OPTIMIZERS[name]()
   expected = oracles.sequential_steps(chain, opt, params, data)
-  got = oracles.immediate_steps(chain.loss_fn(immgrad.immediate_layer), opt,
-                                params, data, mode="updated")
+  got = oracles.immediate_steps(
+    chain.loss_fn(immgrad.immediate_layer), opt, params, data, mode="updated"
+  )
   oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
 
 
@@ -50,8 +53,10 @@ def test_updated_differs_from_current(name):
   chain, params, data = _setup(jax.nn.relu)
   opt = OPTIMIZERS[name]()
   loss_fn = chain.loss_fn(immgrad.immediate_layer)
-  updated, _ = oracles.immediate_steps(loss_fn, opt, params, data,
-                                       mode="updated")
-  current, _ = oracles.immediate_steps(loss_fn, opt, params, data,
-                                       mode="current")
+  updated, _ = oracles.immediate_steps(
+    loss_fn, opt, params, data, mode="updated"
+  )
+  current, _ = oracles.immediate_steps(
+    loss_fn, opt, params, data, mode="current"
+  )
   assert oracles.max_abs_diff(updated[-1], current[-1]) > 1e-3

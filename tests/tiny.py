@@ -15,9 +15,9 @@ def dense(x, p):
 def params():
   k1, k2, k3 = jax.random.split(jax.random.PRNGKey(0), 3)
   return {
-      "l1": {"w": jax.random.normal(k1, (4, 4)) / 2, "b": jnp.full((4,), .1)},
-      "l2": {"w": jax.random.normal(k2, (4, 4)) / 2, "b": jnp.full((4,), .2)},
-      "l3": {"w": jax.random.normal(k3, (4, 2)) / 2, "b": jnp.full((2,), .3)},
+    "l1": {"w": jax.random.normal(k1, (4, 4)) / 2, "b": jnp.full((4,), 0.1)},
+    "l2": {"w": jax.random.normal(k2, (4, 4)) / 2, "b": jnp.full((4,), 0.2)},
+    "l3": {"w": jax.random.normal(k3, (4, 2)) / 2, "b": jnp.full((2,), 0.3)},
   }
 
 

@@ -17,7 +17,6 @@ _ROLE = re.compile(r":(?:func|class|data|meth|mod|attr):`")
 
 
 class HouseStyle(griffe.Extension):
-
   def on_object(self, *, obj, **kwargs):
     del kwargs
     if obj.docstring is not None:

@@ -45,37 +45,42 @@ from immgrad._src.layer import immediate_layer
 
 _INLINED = frozenset({"jit", "pjit", "closed_call", "core_call"})
 _REMAT = frozenset({"remat2", "checkpoint"})
-_ONE_LAYER = frozenset({"custom_jvp_call", "custom_vjp_call",
-                        "custom_vjp_call_jaxpr"})
+_ONE_LAYER = frozenset(
+  {"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"}
+)
 
 _REFUSED = {
-    "cond": "compute both branches and pick with `jnp.where`, or let the "
-            "`cond` choose parameters only, not activations",
-    "while": "unroll the loop in Python, or keep the parameters out of it",
+  "cond": "compute both branches and pick with `jnp.where`, or let the "
+  "`cond` choose parameters only, not activations",
+  "while": "unroll the loop in Python, or keep the parameters out of it",
 }
 
 _BRANCH = (
-    "immgrad.immediate: parameter {path} meets activations inside `{prim}` "
-    "({where}). A branch or a loop may run a layer zero or many times a "
-    "step, and each run would step the weights. To make it immediate, "
-    "{fix}.")
+  "immgrad.immediate: parameter {path} meets activations inside `{prim}` "
+  "({where}). A branch or a loop may run a layer zero or many times a "
+  "step, and each run would step the weights. To make it immediate, "
+  "{fix}."
+)
 
 _UNSUPPORTED = (
-    "immgrad.immediate: parameter {path} meets activations inside `{prim}` "
-    "({where}), which immgrad.immediate does not support yet. Keep "
-    "parameters out of a scan's carry (scan over them as xs), or decorate "
-    "the layer with immgrad.immediate_layer, or use a library adapter "
-    "(immgrad.haiku, immgrad.flax, immgrad.equinox).")
+  "immgrad.immediate: parameter {path} meets activations inside `{prim}` "
+  "({where}), which immgrad.immediate does not support yet. Keep "
+  "parameters out of a scan's carry (scan over them as xs), or decorate "
+  "the layer with immgrad.immediate_layer, or use a library adapter "
+  "(immgrad.haiku, immgrad.flax, immgrad.equinox)."
+)
 
 _NOT_A_PARAMETER = (
-    "immgrad.immediate: params{path} (argument {argnums}) is not a parameter "
-    "leaf given to immgrad.value_and_grad. Pass the params tree the step "
-    "hands the loss, unchanged; cast or transform it inside `fun`.")
+  "immgrad.immediate: params{path} (argument {argnums}) is not a parameter "
+  "leaf given to immgrad.value_and_grad. Pass the params tree the step "
+  "hands the loss, unchanged; cast or transform it inside `fun`."
+)
 
 
 @dataclasses.dataclass(eq=False)
 class _Region:
   """A ``jax.checkpoint`` call, inlined: its equations are nodes[start:end]."""
+
   eqn: Any
   ins: list
   outs: list
@@ -91,17 +96,18 @@ class _Region:
 @dataclasses.dataclass(eq=False)
 class _Node:
   """One equation, with inputs and outputs renamed to program-wide ints."""
+
   eqn: Any
   ins: list  # An int (a value of the program) or a Literal.
   outs: list
-  region: Optional[_Region] = None  # The innermost checkpoint around it.
+  region: _Region | None = None  # The innermost checkpoint around it.
 
   @property
   def where(self) -> str:
     return source_info_util.summarize(self.eqn.source_info)
 
 
-def _regions(region: Optional[_Region]) -> list:
+def _regions(region: _Region | None) -> list:
   """``region`` and the regions around it, innermost first."""
   chain = []
   while region is not None:
@@ -113,6 +119,7 @@ def _regions(region: Optional[_Region]) -> list:
 @dataclasses.dataclass
 class _Program:
   """``fun`` as a flat list of equations over numbered values."""
+
   nodes: list
   inputs: list  # The numbers of the traced arguments, in order.
   consts: dict  # number -> value (the jaxpr's constants).
@@ -130,7 +137,7 @@ def _trace(fun, leaves, treedef) -> _Program:
 
   Non-array leaves (flags, None, Python numbers) are static, as under jit.
   """
-  dynamic = [i for i, l in enumerate(leaves) if _is_array(l)]
+  dynamic = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
 
   def flat(*values):
     full = list(leaves)
@@ -139,7 +146,8 @@ def _trace(fun, leaves, treedef) -> _Program:
     return fun(*treedef.unflatten(full))
 
   closed, shape = jax.make_jaxpr(flat, return_shape=True)(
-      *[leaves[i] for i in dynamic])
+    *[leaves[i] for i in dynamic]
+  )
   counter = iter(range(1 << 62))
   program = _build(closed, counter)
   position = {i: n for i, n in zip(dynamic, program.inputs)}
@@ -188,8 +196,9 @@ def _build(closed, counter) -> _Program:
 
 
 def _is_array(x) -> bool:
-  return isinstance(x, (jax.Array, np.ndarray, np.generic,
-                        jax.ShapeDtypeStruct))
+  return isinstance(
+    x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
+  )
 
 
 def _is_float(x) -> bool:
@@ -199,6 +208,7 @@ def _is_float(x) -> bool:
 @dataclasses.dataclass
 class _Plan:
   """Which equations are layers, and which parameter leaves they step."""
+
   params: dict  # value number -> parameter leaf index (float leaves only).
   taint: dict  # value number -> frozenset of leaf indices, or None (act).
   immediate: dict  # leaf index -> its immediate layer _Node.
@@ -235,7 +245,8 @@ def _plan(program: _Program, params: dict, paths: list) -> _Plan:
       _check_mixed(node, ins, paths)
       if node.eqn.primitive.name == "scan":
         scans[id(node)], stacked[id(node)] = _plan_scan(
-            node, ins, params, paths, program.counter, sinks)
+          node, ins, params, paths, program.counter, sinks
+        )
         if stacked[id(node)]:
           layers.append(node)
       else:
@@ -252,7 +263,8 @@ def _plan(program: _Program, params: dict, paths: list) -> _Plan:
   raw_of = {leaf: n for n, leaf in params.items()}
   for node in layers:
     reads = stacked.get(id(node)) or frozenset().union(
-        *[of(v) for v in node.ins if of(v) is not _ACT])
+      *[of(v) for v in node.ins if of(v) is not _ACT]
+    )
     shared = [leaf for leaf in reads if sinks[leaf] != [(node, None)]]
     raw = sorted(raw_of[leaf] for leaf in reads)
     pre = _preprocess(node, taint, producer)
@@ -264,22 +276,26 @@ def _plan(program: _Program, params: dict, paths: list) -> _Plan:
       elif leaf in shared:
         ordinary[leaf] = _why(sinks[leaf])
       elif shared:
-        ordinary[leaf] = (f"its layer `{node.eqn.primitive.name}` "
-                          f"({node.where}) also reads {paths[shared[0]]}, "
-                          f"which is ordinary")
+        ordinary[leaf] = (
+          f"its layer `{node.eqn.primitive.name}` "
+          f"({node.where}) also reads {paths[shared[0]]}, "
+          f"which is ordinary"
+        )
       else:
         ordinary[leaf] = (
-            f"its layer `{node.eqn.primitive.name}` ({node.where}) is inside "
-            f"`{outside.eqn.primitive.name}` ({outside.where}), which gets "
-            f"its weights computed, not the parameters themselves")
+          f"its layer `{node.eqn.primitive.name}` ({node.where}) is inside "
+          f"`{outside.eqn.primitive.name}` ({outside.where}), which gets "
+          f"its weights computed, not the parameters themselves"
+        )
   for leaf, uses in sinks.items():
     if leaf not in immediate and leaf not in ordinary:
       ordinary[leaf] = _why(uses) if uses else "unused"
   return _Plan(params, taint, immediate, preprocess, ordinary, scans)
 
 
-def _plan_scan(node: _Node, ins: list, params: dict, paths: list, counter,
-               sinks: dict):
+def _plan_scan(
+  node: _Node, ins: list, params: dict, paths: list, counter, sinks: dict
+):
   """Plans a ``scan`` that parameters enter: its body, for stacked ones.
 
   A parameter closed over by the body (a scan's constant) is reused by
@@ -300,8 +316,10 @@ def _plan_scan(node: _Node, ins: list, params: dict, paths: list, counter,
       slices[body.inputs[i]] = params[v]
       continue
     else:
-      why = (f"scanned over by `scan` ({node.where}) after being computed: "
-             f"pass the stacked parameter itself as xs")
+      why = (
+        f"scanned over by `scan` ({node.where}) after being computed: "
+        f"pass the stacked parameter itself as xs"
+      )
     for leaf in t:
       sinks[leaf].append((None, why))
   plan = _plan(body, slices, paths)
@@ -310,8 +328,12 @@ def _plan_scan(node: _Node, ins: list, params: dict, paths: list, counter,
     if leaf in stepped:
       sinks[leaf].append((node, None))
     else:
-      sinks[leaf].append((None, f"inside `scan` ({node.where}), its slice "
-                                f"is {plan.ordinary[leaf]}"))
+      sinks[leaf].append(
+        (
+          None,
+          f"inside `scan` ({node.where}), its slice is {plan.ordinary[leaf]}",
+        )
+      )
   return (body, plan), stepped
 
 
@@ -334,7 +356,7 @@ def _preprocess(node: _Node, taint: dict, producer: dict) -> list:
   return pre
 
 
-def _outside(node: _Node, raw: list, pre: list) -> Optional[_Region]:
+def _outside(node: _Node, raw: list, pre: list) -> _Region | None:
   """The checkpoint region around ``node`` its weights do not enter raw.
 
   Inside ``immgrad.checkpoint`` a layer finds its parameters among the
@@ -355,8 +377,9 @@ def _why(uses) -> str:
   layers = [node for node, _ in uses if node is not None]
   others = [why for node, why in uses if node is None]
   if others:
-    return others[0] + (f", and read by {len(layers)} layer(s)"
-                        if layers else "")
+    return others[0] + (
+      f", and read by {len(layers)} layer(s)" if layers else ""
+    )
   named = ", ".join(f"`{n.eqn.primitive.name}` ({n.where})" for n in layers)
   return f"read by {len(set(layers))} layers: {named}"
 
@@ -366,31 +389,43 @@ def _check_mixed(node: _Node, ins: list, paths: list) -> None:
   name = node.eqn.primitive.name
   first = paths[min(frozenset().union(*[t for t in ins if t is not _ACT]))]
   if name in _REFUSED:
-    raise ValueError(_BRANCH.format(path=first, prim=name, where=node.where,
-                                    fix=_REFUSED[name]))
+    raise ValueError(
+      _BRANCH.format(
+        path=first, prim=name, where=node.where, fix=_REFUSED[name]
+      )
+    )
   if name == "scan":
     consts = node.eqn.params["num_consts"]
-    carry = ins[consts:consts + node.eqn.params["num_carry"]]
+    carry = ins[consts : consts + node.eqn.params["num_carry"]]
     if any(t is not _ACT and t for t in carry):
-      raise ValueError(_UNSUPPORTED.format(path=first, prim=name,
-                                           where=node.where))
+      raise ValueError(
+        _UNSUPPORTED.format(path=first, prim=name, where=node.where)
+      )
   elif name not in _ONE_LAYER and _has_program(node.eqn.params):
-    raise ValueError(_UNSUPPORTED.format(path=first, prim=name,
-                                         where=node.where))
+    raise ValueError(
+      _UNSUPPORTED.format(path=first, prim=name, where=node.where)
+    )
 
 
 def _has_program(params: dict) -> bool:
   """Whether an equation's params hold an inner program (a jaxpr)."""
   programs = (jex_core.Jaxpr, jex_core.ClosedJaxpr)
-  return any(isinstance(v, programs) or (isinstance(v, (tuple, list)) and any(
-      isinstance(e, programs) for e in v)) for v in params.values())
+  return any(
+    isinstance(v, programs)
+    or (
+      isinstance(v, (tuple, list)) and any(isinstance(e, programs) for e in v)
+    )
+    for v in params.values()
+  )
 
 
 def _bind(node: _Node, values: list) -> list:
   eqn = node.eqn
   subfuns, params = compat.bind_params(eqn.primitive, eqn.params)
-  with source_info_util.user_context(eqn.source_info.traceback), \
-      eqn.ctx.manager:
+  with (
+    source_info_util.user_context(eqn.source_info.traceback),
+    eqn.ctx.manager,
+  ):
     out = eqn.primitive.bind(*subfuns, *values, **params)
   return list(out) if node.eqn.primitive.multiple_results else [out]
 
@@ -420,8 +455,10 @@ def _eval(program, plan, env: dict, start: int, end: int, region) -> None:
       _checkpointed(program, plan, env, inner)
       i = inner.end
       continue
-    ins = [frozenset() if isinstance(v, jex_core.Literal) else plan.taint[v]
-           for v in node.ins]
+    ins = [
+      frozenset() if isinstance(v, jex_core.Literal) else plan.taint[v]
+      for v in node.ins
+    ]
     reads = frozenset().union(*[t for t in ins if t is not _ACT])
     if id(node) in layers and id(node) in plan.scans:
       env.update(zip(node.outs, _scanned(node, plan, env)))
@@ -430,34 +467,44 @@ def _eval(program, plan, env: dict, start: int, end: int, region) -> None:
     elif all(t is not _ACT for t in ins) and reads and reads <= done:
       pass  # Preprocessing that only an immediate layer needs.
     else:
-      env.update(zip(node.outs, _bind(node, [_read(env, v)
-                                               for v in node.ins])))
+      env.update(zip(node.outs, _bind(node, [_read(env, v) for v in node.ins])))
     i += 1
 
 
 def _checkpointed(program, plan, env: dict, region: _Region) -> None:
   """Evaluates a checkpoint region: as traced, or by immgrad.checkpoint."""
-  refs = list(dict.fromkeys(v for v in region.ins
-                            if not isinstance(v, jex_core.Literal)))
-  has_layer = any(region in _regions(node.region)
-                  for node in plan.immediate.values())
+  refs = list(
+    dict.fromkeys(v for v in region.ins if not isinstance(v, jex_core.Literal))
+  )
+  has_layer = any(
+    region in _regions(node.region) for node in plan.immediate.values()
+  )
   if has_layer:
+
     def body(*values):
       inner = collections.ChainMap(dict(zip(refs, values)), env)
       _eval(program, plan, inner, region.start, region.end, region)
-      return [_read(inner, v) if isinstance(v, jex_core.Literal) or v in inner
-              else jnp.zeros(program.avals[v].shape, program.avals[v].dtype)
-              for v in region.outs]
+      return [
+        _read(inner, v)
+        if isinstance(v, jex_core.Literal) or v in inner
+        else jnp.zeros(program.avals[v].shape, program.avals[v].dtype)
+        for v in region.outs
+      ]
 
     params = region.eqn.params
-    outs = remat_lib.checkpoint(body, prevent_cse=params["prevent_cse"],
-                                policy=params["policy"])(
-                                    *[env[n] for n in refs])
+    outs = remat_lib.checkpoint(
+      body, prevent_cse=params["prevent_cse"], policy=params["policy"]
+    )(*[env[n] for n in refs])
   else:
-    outs = _bind(_Node(region.eqn, region.ins, region.outs),
-                 [_read(env, v) for v in region.ins])
-  env.update((n, v) for n, v in zip(region.outs, outs)
-             if not isinstance(n, jex_core.Literal) and n not in refs)
+    outs = _bind(
+      _Node(region.eqn, region.ins, region.outs),
+      [_read(env, v) for v in region.ins],
+    )
+  env.update(
+    (n, v)
+    for n, v in zip(region.outs, outs)
+    if not isinstance(n, jex_core.Literal) and n not in refs
+  )
 
 
 def _scanned(node: _Node, plan: _Plan, env: dict) -> list:
@@ -473,26 +520,34 @@ def _scanned(node: _Node, plan: _Plan, env: dict) -> list:
     local.update(zip(body.inputs, values[:consts] + list(carry) + list(x)))
     _eval(body, inner, local, 0, len(body.nodes), None)
     outs = [_read(local, v) for v in body.outs]
-    return outs[:params["num_carry"]], outs[params["num_carry"]:]
+    return outs[: params["num_carry"]], outs[params["num_carry"] :]
 
-  carry, ys = scan_lib.scan(step, values[consts:first_x], values[first_x:],
-                            length=params["length"],
-                            reverse=params["reverse"],
-                            unroll=params["unroll"])
+  carry, ys = scan_lib.scan(
+    step,
+    values[consts:first_x],
+    values[first_x:],
+    length=params["length"],
+    reverse=params["reverse"],
+    unroll=params["unroll"],
+  )
   return list(carry) + list(ys)
 
 
 def _layer(node: _Node, plan: _Plan, env: dict) -> list:
   """``node`` as an immediate layer of its parameters' raw leaves."""
-  acts = [i for i, v in enumerate(node.ins)
-          if not isinstance(v, jex_core.Literal) and plan.taint[v] is _ACT]
+  acts = [
+    i
+    for i, v in enumerate(node.ins)
+    if not isinstance(v, jex_core.Literal) and plan.taint[v] is _ACT
+  ]
   raw, preprocess = plan.preprocess[id(node)]
 
   def fun(x, weights):
     local = collections.ChainMap(dict(zip(raw, weights)), env)
     for pre in preprocess:
-      local.update(zip(pre.outs, _bind(pre, [_read(local, u)
-                                             for u in pre.ins])))
+      local.update(
+        zip(pre.outs, _bind(pre, [_read(local, u) for u in pre.ins]))
+      )
     ins = [_read(local, v) for v in node.ins]
     for i, value in zip(acts, x):
       ins[i] = value
@@ -500,16 +555,19 @@ def _layer(node: _Node, plan: _Plan, env: dict) -> list:
 
   name = f"{node.eqn.primitive.name} ({node.where})"
   return immediate_layer(fun, name=name)(
-      [env[node.ins[i]] for i in acts], [env[n] for n in raw])
+    [env[node.ins[i]] for i in acts], [env[n] for n in raw]
+  )
+
 
 def _flatten(args: tuple, kwargs: dict, argnums: int, fun_name: str):
   """The leaves of ``(params, other args, kwargs)``, and how to call back."""
   if not isinstance(argnums, int) or not 0 <= argnums < len(args):
     raise ValueError(
-        f"immgrad.immediate: {fun_name} was called with {len(args)} "
-        f"positional argument(s), so argnums={argnums!r} names no parameter "
-        f"tree. Pass the params tree positionally at argnums.")
-  params, others = args[argnums], args[:argnums] + args[argnums + 1:]
+      f"immgrad.immediate: {fun_name} was called with {len(args)} "
+      f"positional argument(s), so argnums={argnums!r} names no parameter "
+      f"tree. Pass the params tree positionally at argnums."
+    )
+  params, others = args[argnums], args[:argnums] + args[argnums + 1 :]
   keyed, _ = jax.tree_util.tree_flatten_with_path(params)
   paths = [jax.tree_util.keystr(k) for k, _ in keyed]
   leaves, treedef = jax.tree.flatten((params, others, kwargs))
@@ -525,13 +583,15 @@ def _analyse(fun, argnums, args, kwargs):
     return fun(*others[:argnums], params, *others[argnums:], **kwargs)
 
   program = _trace(call, leaves, treedef)
-  params = {program.inputs[i]: i for i in range(len(paths))
-            if _is_float(leaves[i])}
+  params = {
+    program.inputs[i]: i for i in range(len(paths)) if _is_float(leaves[i])
+  }
   return program, _plan(program, params, paths), leaves, paths
 
 
-def immediate(fun: Callable[..., Any], *, argnums: int = 0
-              ) -> Callable[..., Any]:
+def immediate(
+  fun: Callable[..., Any], *, argnums: int = 0
+) -> Callable[..., Any]:
   """Makes every layer JAX traces in ``fun`` an immediate layer.
 
   Args:
@@ -578,8 +638,9 @@ def immediate(fun: Callable[..., Any], *, argnums: int = 0
     program, plan, leaves, paths = _analyse(fun, argnums, args, kwargs)
     for i in plan.params.values():
       if step.find(leaves[i], "immgrad.immediate") is None:
-        raise ValueError(_NOT_A_PARAMETER.format(path=paths[i],
-                                                 argnums=argnums))
+        raise ValueError(
+          _NOT_A_PARAMETER.format(path=paths[i], argnums=argnums)
+        )
     values = [leaves[i] for i, n in enumerate(program.inputs) if n is not None]
     outs = _run(program, plan, values)
     return jax.tree.unflatten(program.out_tree, outs)
@@ -591,11 +652,12 @@ def immediate(fun: Callable[..., Any], *, argnums: int = 0
 @dataclasses.dataclass(frozen=True)
 class Row:
   """One parameter leaf: the layer that steps it, or why none does."""
+
   path: str
   shape: str  # e.g. "f32[3,4]".
-  layer: Optional[str]  # e.g. "dot_general -> f32[8,4]", None if ordinary.
-  source: Optional[str]  # The user's line that made the layer.
-  why: Optional[str]  # Why the leaf keeps an ordinary gradient.
+  layer: str | None  # e.g. "dot_general -> f32[8,4]", None if ordinary.
+  source: str | None  # The user's line that made the layer.
+  why: str | None  # Why the leaf keeps an ordinary gradient.
 
 
 class Layers(tuple):
@@ -613,13 +675,16 @@ class Layers(tuple):
     return super().__getitem__(key)
 
   def __str__(self) -> str:
-    cells = [(r.path, r.shape, r.layer or "ordinary",
-              r.source if r.layer else r.why) for r in self]
+    cells = [
+      (r.path, r.shape, r.layer or "ordinary", r.source if r.layer else r.why)
+      for r in self
+    ]
     cells.insert(0, ("parameter", "shape", "layer", "source / why ordinary"))
     widths = [max(len(c[i]) for c in cells) for i in range(3)]
     return "\n".join(
-        "  ".join(c.ljust(w) for c, w in zip(cell[:3], widths)) + "  " +
-        cell[3] for cell in cells)
+      "  ".join(c.ljust(w) for c, w in zip(cell[:3], widths)) + "  " + cell[3]
+      for cell in cells
+    )
 
 
 def layers(fun: Callable[..., Any], params: Any, *args, **kwargs) -> Layers:
@@ -655,20 +720,28 @@ def layers(fun: Callable[..., Any], params: Any, *args, **kwargs) -> Layers:
   _, plan, leaves, paths = _analyse(fun, argnums, args, kwargs)
   rows = []
   for i, path in enumerate(paths):
-    shape = jax.core.ShapedArray(jnp.shape(leaves[i]),
-                                 jnp.result_type(leaves[i])).str_short()
+    shape = jax.core.ShapedArray(
+      jnp.shape(leaves[i]), jnp.result_type(leaves[i])
+    ).str_short()
     node, inner, scanned = plan.immediate.get(i), plan, ""
     while node is not None and id(node) in inner.scans:  # Per layer.
       inner = inner.scans[id(node)][1]
       node, scanned = inner.immediate[i], scanned + " in `scan`"
     if node is not None:
       out = node.eqn.outvars[0].aval.str_short()
-      rows.append(Row(path, shape,
-                      f"{node.eqn.primitive.name} -> {out}{scanned}",
-                      node.where, None))
+      rows.append(
+        Row(
+          path,
+          shape,
+          f"{node.eqn.primitive.name} -> {out}{scanned}",
+          node.where,
+          None,
+        )
+      )
     elif i in plan.ordinary:
       rows.append(Row(path, shape, None, None, plan.ordinary[i]))
     else:
-      rows.append(Row(path, shape, None, None,
-                      "not floating point: no gradient"))
+      rows.append(
+        Row(path, shape, None, None, "not floating point: no gradient")
+      )
   return Layers(rows)

@@ -13,14 +13,14 @@ summed* over the axis (the transpose of the implicit ``pvary``). So:
   automatically summed gradient by the axis size instead of averaging again.
 """
 
-from typing import Any, Hashable, Optional, Sequence, Union
+from typing import Any, Hashable, Sequence
 
 import jax
 from jax import lax
 
 from immgrad._src import compat
 
-AxisName = Optional[Union[Hashable, Sequence[Hashable]]]
+AxisName = Hashable | Sequence[Hashable] | None
 
 
 def _names(axis_name: AxisName) -> tuple:
@@ -42,16 +42,18 @@ def check_bound(axis_name: AxisName) -> None:
       lax.axis_index(name)
     except NameError as e:
       raise ValueError(
-          f"immgrad.value_and_grad(axis_name={axis_name!r}): axis {name!r} "
-          "is not bound. Call the training step inside jax.pmap or "
-          "jax.shard_map over that axis, or pass axis_name=None (for "
-          "example under plain jit over a sharded batch).") from e
+        f"immgrad.value_and_grad(axis_name={axis_name!r}): axis {name!r} "
+        "is not bound. Call the training step inside jax.pmap or "
+        "jax.shard_map over that axis, or pass axis_name=None (for "
+        "example under plain jit over a sharded batch)."
+      ) from e
 
 
 def tracks_vma(axis_name: AxisName) -> bool:
   """Whether JAX tracks variance over ``axis_name`` (shard_map check_vma)."""
-  return any(name in _varying(lax.axis_index(name))
-             for name in _names(axis_name))
+  return any(
+    name in _varying(lax.axis_index(name)) for name in _names(axis_name)
+  )
 
 
 def local(tree: Any, axis_name: AxisName) -> Any:
@@ -74,8 +76,9 @@ def mean(tree: Any, axis_name: AxisName) -> Any:
   return lax.pmean(tree, axis_name)
 
 
-def mean_of_cotangent(cotangent: jax.Array, primal: jax.Array,
-                      axis_name: AxisName) -> jax.Array:
+def mean_of_cotangent(
+  cotangent: jax.Array, primal: jax.Array, axis_name: AxisName
+) -> jax.Array:
   """The mean over ``axis_name`` of an ordinary parameter's gradient."""
   names = _names(axis_name)
   summed = ()

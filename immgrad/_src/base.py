@@ -20,6 +20,7 @@ class ShimState(NamedTuple):
       (``tx.init(params)``).
     rejected: how many steps were rejected as non-finite (int32).
   """
+
   inner: Any
   rejected: chex.Array
 
@@ -36,6 +37,7 @@ class Stepped(NamedTuple):
     state: None (the state this parameter owns is kept), or its new values,
       in the order ``tx``'s program for it writes them.
   """
+
   params: chex.Array
   state: Any = None
 
@@ -71,8 +73,10 @@ class ImmediateGrad:
     return cls(*children, layer_axes)
 
   def __repr__(self):
-    return (f"ImmediateGrad(grad={self.grad!r}, nonfinite={self.nonfinite!r}, "
-            f"layer_axes={self.layer_axes})")
+    return (
+      f"ImmediateGrad(grad={self.grad!r}, nonfinite={self.nonfinite!r}, "
+      f"layer_axes={self.layer_axes})"
+    )
 
 
 class ShimTransformation(optax.GradientTransformation):

@@ -10,30 +10,40 @@ this.
 
 import os
 import traceback
-from typing import Optional
 
 # (file under jax/_src, function) -> the public name of the transformation.
 _TRANSFORMATIONS = {
-    ("loops.py", "scan"): "lax.scan",
-    ("loops.py", "fori_loop"): "lax.fori_loop",
-    ("loops.py", "map"): "lax.map",
-    ("loops.py", "while_loop"): "lax.while_loop",
-    ("conditionals.py", "cond"): "lax.cond",
-    ("conditionals.py", "switch"): "lax.switch",
-    ("pjit.py", "cache_miss"): "jax.jit",
-    ("api.py", "vmap_f"): "jax.vmap",
-    ("ad_checkpoint.py", "fun_remat"): "jax.checkpoint",
+  ("loops.py", "scan"): "lax.scan",
+  ("loops.py", "fori_loop"): "lax.fori_loop",
+  ("loops.py", "map"): "lax.map",
+  ("loops.py", "while_loop"): "lax.while_loop",
+  ("conditionals.py", "cond"): "lax.cond",
+  ("conditionals.py", "switch"): "lax.switch",
+  ("pjit.py", "cache_miss"): "jax.jit",
+  ("api.py", "vmap_f"): "jax.vmap",
+  ("ad_checkpoint.py", "fun_remat"): "jax.checkpoint",
 }
 # A layer under vmap is lifted out of it by this batching rule (layer.py).
 _LAYER_FILE, _LIFTING_RULE = os.path.join("immgrad", "_src", "layer.py"), "rule"
 # Built on lax.scan: reported as themselves when they are the caller.
 _BUILT_ON_SCAN = ("lax.fori_loop", "lax.map")
 # Libraries whose frames are not the user's line.
-_LIBRARIES = tuple(os.sep + name + os.sep for name in (
-    "jax", "jaxlib", "haiku", "flax", "equinox", "immgrad", "optax", "chex"))
+_LIBRARIES = tuple(
+  os.sep + name + os.sep
+  for name in (
+    "jax",
+    "jaxlib",
+    "haiku",
+    "flax",
+    "equinox",
+    "immgrad",
+    "optax",
+    "chex",
+  )
+)
 
 
-def enclosing_transformation() -> tuple[Optional[str], Optional[str]]:
+def enclosing_transformation() -> tuple[str | None, str | None]:
   """``(name, "file:line")`` of the innermost transformation around us.
 
   ``name`` is e.g. ``"lax.scan"``; the location is the user's line that
@@ -52,16 +62,20 @@ def enclosing_transformation() -> tuple[Optional[str], Optional[str]]:
     if name is None:
       continue
     if name == "lax.scan":  # fori_loop and map call scan: name the caller.
-      outer = [_match(f) for f in frames[i + 1:i + 4]]
+      outer = [_match(f) for f in frames[i + 1 : i + 4]]
       name = next((n for n in outer if n in _BUILT_ON_SCAN), name)
-    user = next((f for f in frames[i + 1:] if not _in_library(f.filename)),
-                None)
-    return name, (None if user is None else
-                  f"{os.path.basename(user.filename)}:{user.lineno}")
+    user = next(
+      (f for f in frames[i + 1 :] if not _in_library(f.filename)), None
+    )
+    return name, (
+      None
+      if user is None
+      else f"{os.path.basename(user.filename)}:{user.lineno}"
+    )
   return None, None
 
 
-def _match(frame) -> Optional[str]:
+def _match(frame) -> str | None:
   if os.sep + "jax" + os.sep + "_src" + os.sep not in frame.filename:
     return None
   return _TRANSFORMATIONS.get((os.path.basename(frame.filename), frame.name))
@@ -69,4 +83,5 @@ def _match(frame) -> Optional[str]:
 
 def _in_library(filename: str) -> bool:
   return any(part in filename for part in _LIBRARIES) or filename.startswith(
-      "<")
+    "<"
+  )

@@ -52,10 +52,15 @@ def save_checkpoint(path: str, tree: Any) -> None:
   for keypath, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
     key = jax.tree_util.keystr(keypath)
     array = np.asarray(leaf)
-    manifest["leaves"][key] = {"dtype": array.dtype.name,
-                               "shape": list(array.shape)}
-    arrays[key] = np.ascontiguousarray(array).reshape(-1).view(
-        np.dtype(f"u{array.dtype.itemsize}"))
+    manifest["leaves"][key] = {
+      "dtype": array.dtype.name,
+      "shape": list(array.shape),
+    }
+    arrays[key] = (
+      np.ascontiguousarray(array)
+      .reshape(-1)
+      .view(np.dtype(f"u{array.dtype.itemsize}"))
+    )
   arrays[_MANIFEST] = np.frombuffer(json.dumps(manifest).encode(), np.uint8)
   folder = os.path.dirname(os.path.abspath(path))
   handle, temporary = tempfile.mkstemp(dir=folder, suffix=".tmp")
@@ -89,27 +94,36 @@ def restore_checkpoint(path: str, like: Any) -> Any:
   with np.load(path) as archive:
     manifest = json.loads(archive[_MANIFEST].tobytes())
     if manifest.get("format") != _FORMAT:
-      raise ValueError(f"immgrad.restore_checkpoint: {path} has format "
-                       f"{manifest.get('format')!r}, expected {_FORMAT}.")
+      raise ValueError(
+        f"immgrad.restore_checkpoint: {path} has format "
+        f"{manifest.get('format')!r}, expected {_FORMAT}."
+      )
     stored = manifest["leaves"]
     keyed, treedef = jax.tree_util.tree_flatten_with_path(like)
-    missing = [jax.tree_util.keystr(k) for k, _ in keyed
-               if jax.tree_util.keystr(k) not in stored]
+    missing = [
+      jax.tree_util.keystr(k)
+      for k, _ in keyed
+      if jax.tree_util.keystr(k) not in stored
+    ]
     if missing:
       raise ValueError(
-          f"immgrad.restore_checkpoint: {path} has no {missing[:5]} "
-          f"({len(missing)} missing); it holds {sorted(stored)[:5]}...")
+        f"immgrad.restore_checkpoint: {path} has no {missing[:5]} "
+        f"({len(missing)} missing); it holds {sorted(stored)[:5]}..."
+      )
     leaves = []
     for keypath, template in keyed:
       key = jax.tree_util.keystr(keypath)
       dtype = np.dtype(getattr(template, "dtype", np.asarray(template).dtype))
       shape = tuple(np.shape(template))
-      if stored[key]["dtype"] != dtype.name or tuple(
-          stored[key]["shape"]) != shape:
+      if (
+        stored[key]["dtype"] != dtype.name
+        or tuple(stored[key]["shape"]) != shape
+      ):
         raise ValueError(
-            f"immgrad.restore_checkpoint: {key} is stored as "
-            f"{stored[key]['dtype']}{stored[key]['shape']} but expected "
-            f"{dtype.name}{list(shape)}.")
+          f"immgrad.restore_checkpoint: {key} is stored as "
+          f"{stored[key]['dtype']}{stored[key]['shape']} but expected "
+          f"{dtype.name}{list(shape)}."
+        )
       value = archive[key].view(dtype).reshape(shape)
       sharding = getattr(template, "sharding", None)
       leaves.append(jax.device_put(value, sharding))

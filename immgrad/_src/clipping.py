@@ -46,8 +46,9 @@ def clip_by_layer_norm(max_norm: float) -> optax.GradientTransformation:
   """
   if not max_norm > 0:
     raise ValueError(
-        f"immgrad.clip_by_layer_norm: max_norm must be positive, got "
-        f"{max_norm!r}.")
+      f"immgrad.clip_by_layer_norm: max_norm must be positive, got "
+      f"{max_norm!r}."
+    )
 
   def update_fn(updates, state, params=None):
     del params

@@ -25,10 +25,10 @@ import math
 from typing import Any
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import lax
 
 from immgrad._src import plan as plan_lib
 from immgrad._src import stacked
@@ -46,8 +46,9 @@ def step_parameter(program: plan_lib.LeafProgram, grad, state, weights):
   return optax.apply_updates(weights, update), state
 
 
-def layers(tx, params, index: int, layer_axes: int, state, shared,
-           path: str) -> list:
+def layers(
+  tx, params, index: int, layer_axes: int, state, shared, path: str
+) -> list:
   """Per layer axis of a stacked parameter: its program and state split.
 
   ``[(program, split), ...]`` from the whole stack inwards: ``program`` is
@@ -56,15 +57,20 @@ def layers(tx, params, index: int, layer_axes: int, state, shared,
   split.
   """
   programs = [plan_lib.make(tx, params).leaves[index]] + [
-      plan_lib.layer_program(tx, params, index, depth)
-      for depth in range(1, layer_axes + 1)]
-  out, avals = [], [jax.ShapeDtypeStruct(jnp.shape(s), jnp.result_type(s))
-                    for s in state]
+    plan_lib.layer_program(tx, params, index, depth)
+    for depth in range(1, layer_axes + 1)
+  ]
+  out, avals = (
+    [],
+    [jax.ShapeDtypeStruct(jnp.shape(s), jnp.result_type(s)) for s in state],
+  )
   for outer, inner in zip(programs, programs[1:]):
     split = stacked.state_axes(outer, inner, avals, shared, path)
     out.append((outer, split))
-    avals = [a if axis is None else jax.ShapeDtypeStruct(a.shape[1:], a.dtype)
-             for a, axis in zip(avals, split)]
+    avals = [
+      a if axis is None else jax.ShapeDtypeStruct(a.shape[1:], a.dtype)
+      for a, axis in zip(avals, split)
+    ]
   return out + [(programs[-1], None)]
 
 
@@ -77,8 +83,11 @@ def step_layers(levels: list, grad, state, weights):
   (program, split), rest = levels[0], levels[1:]
   if not rest:
     return step_parameter(program, grad, state, weights)
-  return jax.vmap(lambda g, s, w: step_layers(rest, g, s, w),
-                  in_axes=(0, split, 0), out_axes=0)(grad, state, weights)
+  return jax.vmap(
+    lambda g, s, w: step_layers(rest, g, s, w),
+    in_axes=(0, split, 0),
+    out_axes=0,
+  )(grad, state, weights)
 
 
 def landing(new: jax.Array, param: jax.Array) -> jax.Array:
@@ -104,12 +113,14 @@ def commit_layers(levels: list, grad, state, old_writes, weights, ok):
   (program, split), rest = levels[0], levels[1:]
   # One loop-carried buffer per sliced state leaf, read or written: a leaf
   # both read and written must be one buffer, or XLA copies it.
-  buffers = {k: s for k, s, axis in zip(program.reads, state, split)
-             if axis == 0}
+  buffers = {
+    k: s for k, s, axis in zip(program.reads, state, split) if axis == 0
+  }
   for k, old in zip(program.writes, old_writes):
     buffers.setdefault(k, old)
-  shared = {k: s for k, s, axis in zip(program.reads, state, split)
-            if axis is None}
+  shared = {
+    k: s for k, s, axis in zip(program.reads, state, split) if axis is None
+  }
 
   def step(grad, reads, weights, _):
     new, written = step_layers(rest, grad, reads, weights)
@@ -122,8 +133,9 @@ def commit_layers(levels: list, grad, state, old_writes, weights, ok):
   def body(i, carry):
     grad, buffers = carry
     # A shared leaf is read whole: every layer steps from the same value.
-    reads = [buffers[k][i] if k in buffers else shared[k]
-             for k in program.reads]
+    reads = [
+      buffers[k][i] if k in buffers else shared[k] for k in program.reads
+    ]
     old = [buffers[k][i] for k in program.writes]
     update, new = lax.cond(ok, step, keep, grad[i], reads, weights[i], old)
     buffers = dict(buffers)
@@ -131,8 +143,9 @@ def commit_layers(levels: list, grad, state, old_writes, weights, ok):
       buffers[k] = buffers[k].at[i].set(value)
     return grad.at[i].set(update), buffers
 
-  updates, buffers = lax.fori_loop(0, jnp.shape(weights)[0], body,
-                                   (grad, buffers))
+  updates, buffers = lax.fori_loop(
+    0, jnp.shape(weights)[0], body, (grad, buffers)
+  )
   return updates, [buffers[k] for k in program.writes]
 
 
@@ -187,5 +200,5 @@ def _broadcasts(small: tuple, big: tuple) -> bool:
       return False
   except ValueError:
     return False
-  aligned = big_spec[len(big_spec) - len(small_spec):]
+  aligned = big_spec[len(big_spec) - len(small_spec) :]
   return all(s is None or s == b for s, b in zip(small_spec, aligned))

@@ -18,9 +18,9 @@ JAX_VERSION = tuple(jax.__version_info__[:3])
 
 # jax 0.10.0 added it to jax.extend.core (and deprecated jax.core's).
 if JAX_VERSION >= (0, 10, 0):
-  from jax.extend.core import get_opaque_trace_state  # pylint: disable=g-import-not-at-top,unused-import
+  from jax.extend.core import get_opaque_trace_state  # noqa: F401  # pylint: disable=g-import-not-at-top,unused-import
 else:
-  from jax.core import get_opaque_trace_state  # pylint: disable=g-import-not-at-top,unused-import
+  from jax.core import get_opaque_trace_state  # noqa: F401  # pylint: disable=g-import-not-at-top,unused-import
 
 
 def varying_axes(x: Any) -> frozenset:
@@ -51,9 +51,10 @@ def checkpoint_options(static_argnames) -> dict:
     return {}
   if JAX_VERSION < (0, 10, 2):
     raise TypeError(
-        "immgrad.checkpoint(static_argnames=...) needs jax >= 0.10.2 (jax "
-        f"{jax.__version__} is installed); pass those arguments by position "
-        "with static_argnums instead.")
+      "immgrad.checkpoint(static_argnames=...) needs jax >= 0.10.2 (jax "
+      f"{jax.__version__} is installed); pass those arguments by position "
+      "with static_argnums instead."
+    )
   return {"static_argnames": static_argnames}
 
 
@@ -66,6 +67,7 @@ def dce_rules() -> dict:
   outputs.
   """
   from jax._src.interpreters import partial_eval  # pylint: disable=g-import-not-at-top
+
   return partial_eval.dce_rules
 
 

@@ -29,71 +29,84 @@ import jax.numpy as jnp
 from immgrad._src import callsite
 from immgrad._src.compat import get_opaque_trace_state
 
-
 _NOT_A_PARAMETER = (
-    "immediate layer {layer!r} got params{where} that is not a parameter "
-    "leaf given to immgrad.value_and_grad but a value computed from one (a "
-    "cast, slice or reparametrisation such as weight standardisation, or a "
-    "copy made by a transformation). Its step would be applied through that "
-    "computation. Pass the parameter itself (a cast belongs inside the "
-    "layer: immediate_layer(compute_dtype=...)), or leave the layer's module "
-    "out of `modules=` so that it trains ordinarily.")
+  "immediate layer {layer!r} got params{where} that is not a parameter "
+  "leaf given to immgrad.value_and_grad but a value computed from one (a "
+  "cast, slice or reparametrisation such as weight standardisation, or a "
+  "copy made by a transformation). Its step would be applied through that "
+  "computation. Pass the parameter itself (a cast belongs inside the "
+  "layer: immediate_layer(compute_dtype=...)), or leave the layer's module "
+  "out of `modules=` so that it trains ordinarily."
+)
 
 _NESTED = (
-    "immediate layer {layer!r} was called on parameter {path} inside a "
-    "transformation within the loss, {found}, which does not pass the "
-    "parameter in. {why}")
+  "immediate layer {layer!r} was called on parameter {path} inside a "
+  "transformation within the loss, {found}, which does not pass the "
+  "parameter in. {why}"
+)
 
 # Per transformation found: why its layers cannot step there, and the fix.
 _NESTED_FIX = {
-    "lax.scan": (
-        "A loop body would step the weights once per iteration. Pass stacked "
-        "parameters as xs of immgrad.scan (Haiku: hk.layer_stack inside "
-        "immgrad.haiku.immediate), or call the layer outside the loop."),
-    "lax.cond": (
-        "A branch may not run, leaving the weights unstepped. Call the layer "
-        "outside the branch, or leave its module out of `modules=` so that it "
-        "trains ordinarily."),
-    "jax.jit": (
-        "Call the layer outside the inner jit: one jit around the whole "
-        "training step is enough."),
-    "jax.checkpoint": (
-        "Use immgrad.checkpoint, which passes the parameters in (Haiku: "
-        "hk.remat inside immgrad.haiku.immediate)."),
-    "jax.vmap": (
-        "This vmap maps none of the layer's inputs (such as "
-        "jax.vmap(self.position)(jnp.arange(n)) inside a vmapped model). "
-        "Compute it outside the vmapped model, or read the weight directly "
-        "(self.position.weight), which trains ordinarily."),
-    None: (
-        "Its weight update must run exactly once per step. Call the layer at "
-        "the top level of the loss; for stacked layers use immgrad.scan, for "
-        "rematerialisation immgrad.checkpoint."),
+  "lax.scan": (
+    "A loop body would step the weights once per iteration. Pass stacked "
+    "parameters as xs of immgrad.scan (Haiku: hk.layer_stack inside "
+    "immgrad.haiku.immediate), or call the layer outside the loop."
+  ),
+  "lax.cond": (
+    "A branch may not run, leaving the weights unstepped. Call the layer "
+    "outside the branch, or leave its module out of `modules=` so that it "
+    "trains ordinarily."
+  ),
+  "jax.jit": (
+    "Call the layer outside the inner jit: one jit around the whole "
+    "training step is enough."
+  ),
+  "jax.checkpoint": (
+    "Use immgrad.checkpoint, which passes the parameters in (Haiku: "
+    "hk.remat inside immgrad.haiku.immediate)."
+  ),
+  "jax.vmap": (
+    "This vmap maps none of the layer's inputs (such as "
+    "jax.vmap(self.position)(jnp.arange(n)) inside a vmapped model). "
+    "Compute it outside the vmapped model, or read the weight directly "
+    "(self.position.weight), which trains ordinarily."
+  ),
+  None: (
+    "Its weight update must run exactly once per step. Call the layer at "
+    "the top level of the loss; for stacked layers use immgrad.scan, for "
+    "rematerialisation immgrad.checkpoint."
+  ),
 }
 for _loop in ("lax.fori_loop", "lax.map", "lax.while_loop"):
   _NESTED_FIX[_loop] = _NESTED_FIX["lax.scan"]
 _NESTED_FIX["lax.switch"] = _NESTED_FIX["lax.cond"]
 
 _TWICE = (
-    "parameter {path} reaches two immediate layer calls ({first!r} and "
-    "{second!r}) in one step, as tied weights do. One update cannot honour "
-    "both parts of its gradient. Give each call its own parameter, or let "
-    "the shared one train ordinarily: leave its module out of `modules=` "
-    "(adapters), or do not decorate one of the calls.")
+  "parameter {path} reaches two immediate layer calls ({first!r} and "
+  "{second!r}) in one step, as tied weights do. One update cannot honour "
+  "both parts of its gradient. Give each call its own parameter, or let "
+  "the shared one train ordinarily: leave its module out of `modules=` "
+  "(adapters), or do not decorate one of the calls."
+)
 
 
 def nested_error(layer: str, path: str) -> ValueError:
   """The error for a layer called inside a transformation within the loss."""
   found, where = callsite.enclosing_transformation()
-  name = "an unrecognised one" if found is None else (
-      found if where is None else f"{found} called at {where}")
-  return ValueError(_NESTED.format(layer=layer, path=path, found=name,
-                                   why=_NESTED_FIX[found]))
+  name = (
+    "an unrecognised one"
+    if found is None
+    else (found if where is None else f"{found} called at {where}")
+  )
+  return ValueError(
+    _NESTED.format(layer=layer, path=path, found=name, why=_NESTED_FIX[found])
+  )
 
 
 @dataclasses.dataclass(eq=False)
 class Slot:
   """One parameter leaf of one step, and what happened to it."""
+
   path: str
   view: jax.Array  # What the loss sees; kept alive so its id stays unique.
   weight: jax.Array  # The channel whose cotangent carries the gradient.
@@ -105,8 +118,8 @@ class Slot:
   depth: int = 0
   # Measuring dX's change (``measure_dx``): a float32 zero shaped like the
   # weight, whose cotangent carries its layer's measurement; else None.
-  probe: Optional[jax.Array] = None
-  layer: Optional[str] = None  # The immediate layer call that claimed it.
+  probe: jax.Array | None = None
+  layer: str | None = None  # The immediate layer call that claimed it.
   stepped: bool = False  # That layer's backward rule ran.
   ordinary: bool = False  # An ordinary use sent back a nonzero cotangent.
   # For a slice made by ``immgrad.scan`` (or an argument of a nested trace):
@@ -122,8 +135,9 @@ class Slot:
   def claim(self, layer: str) -> None:
     """Marks this slot, and the slots it was sliced from, as ``layer``'s."""
     if self.layer is not None:
-      raise ValueError(_TWICE.format(path=self.path, first=self.layer,
-                                     second=layer))
+      raise ValueError(
+        _TWICE.format(path=self.path, first=self.layer, second=layer)
+      )
     self.layer = layer
     child, slot, layer_axes = self, self.parent, 0
     while slot is not None:
@@ -131,8 +145,9 @@ class Slot:
       # A body JAX traces twice (scan retraces on a weak-typed carry) claims
       # again from the same call: that is not a second use.
       if slot.layer is not None and slot._claims != (child.origin, layer):
-        raise ValueError(_TWICE.format(path=slot.path, first=slot.layer,
-                                       second=layer))
+        raise ValueError(
+          _TWICE.format(path=slot.path, first=slot.layer, second=layer)
+        )
       slot.layer, slot._claims = layer, (child.origin, layer)
       slot.layer_axes = layer_axes
       child, slot = slot, slot.parent
@@ -157,9 +172,18 @@ class Slot:
 class Step:
   """The parameters of one ``value_and_grad`` step, by object identity."""
 
-  def __init__(self, tx, params: Any, shared: tuple, dx_at: float,
-               axis_name, atomic: bool, flag: jax.Array,
-               measure_dx: bool = False, parent: Optional["Step"] = None):
+  def __init__(
+    self,
+    tx,
+    params: Any,
+    shared: tuple,
+    dx_at: float,
+    axis_name,
+    atomic: bool,
+    flag: jax.Array,
+    measure_dx: bool = False,
+    parent: Optional["Step"] = None,
+  ):
     self.tx = tx
     self.params = params  # The params' shapes, for per-layer programs.
     self.shared = shared  # Positions of the state no parameter owns.
@@ -177,7 +201,7 @@ class Step:
     self.slots.append(slot)
     self._by_id[id(slot.view)] = slot
 
-  def find(self, leaf: Any, user: str) -> Optional[Slot]:
+  def find(self, leaf: Any, user: str) -> Slot | None:
     """The slot whose view ``leaf`` is, or None; ``user`` names the caller.
 
     Raises if ``leaf`` is a view of this step or an enclosing one but we
@@ -200,9 +224,17 @@ class Step:
 
   def nested(self) -> "Step":
     """A step for the body of a transformation traced inside this one."""
-    return Step(self.tx, self.params, self.shared, self.dx_at,
-                self.axis_name, self.atomic, self.flag, self.measure_dx,
-                parent=self)
+    return Step(
+      self.tx,
+      self.params,
+      self.shared,
+      self.dx_at,
+      self.axis_name,
+      self.atomic,
+      self.flag,
+      self.measure_dx,
+      parent=self,
+    )
 
   def claim(self, layer: str, params: Any) -> list[Slot]:
     """Returns the slots of ``params``'s leaves, now owned by ``layer``."""
@@ -213,8 +245,9 @@ class Step:
         where = jax.tree_util.keystr(keypath)
         raise ValueError(_NOT_A_PARAMETER.format(layer=layer, where=where))
       if slot in found:
-        raise ValueError(_TWICE.format(path=slot.path, first=layer,
-                                       second=layer))
+        raise ValueError(
+          _TWICE.format(path=slot.path, first=layer, second=layer)
+        )
       found.append(slot)
     for slot in found:
       slot.claim(layer)
@@ -250,7 +283,7 @@ def watched(leaf: jax.Array, on_use: Callable[[], None]) -> jax.Array:
 _active = threading.local()
 
 
-def current() -> Optional[Step]:
+def current() -> Step | None:
   """The innermost open step, or None outside ``immgrad.value_and_grad``."""
   stack = getattr(_active, "stack", [])
   return stack[-1] if stack else None

@@ -33,12 +33,18 @@ import equinox as eqx
 from immgrad._src import context
 from immgrad._src import equinox_layers
 
-DEFAULT_MODULES = (eqx.nn.Linear, eqx.nn.Conv, eqx.nn.LayerNorm,
-                   eqx.nn.RMSNorm, eqx.nn.Embedding)
+DEFAULT_MODULES = (
+  eqx.nn.Linear,
+  eqx.nn.Conv,
+  eqx.nn.LayerNorm,
+  eqx.nn.RMSNorm,
+  eqx.nn.Embedding,
+)
 
 
-def immediate(fn: Callable[..., Any],
-              modules: Sequence[type] = DEFAULT_MODULES) -> Callable[..., Any]:
+def immediate(
+  fn: Callable[..., Any], modules: Sequence[type] = DEFAULT_MODULES
+) -> Callable[..., Any]:
   """Makes the chosen Equinox modules called in ``fn`` immediate layers.
 
   Args:
@@ -79,7 +85,8 @@ def immediate(fn: Callable[..., Any],
   """
   if not callable(fn):
     raise TypeError(
-        f"immgrad.equinox.immediate expects a function, got {fn!r}.")
+      f"immgrad.equinox.immediate expects a function, got {fn!r}."
+    )
   chosen = _check_modules(modules)
 
   @functools.wraps(fn)
@@ -98,12 +105,13 @@ def _check_modules(modules) -> tuple[type, ...]:
   for cls in modules:
     if not (isinstance(cls, type) and issubclass(cls, supported)):
       raise ValueError(
-          f"immgrad.equinox.immediate: cannot make {cls!r} immediate. "
-          f"Supported modules (and their subclasses): {names}. Other "
-          "modules, such as eqx.nn.ConvTranspose, eqx.nn.BatchNorm (its "
-          "statistics are eqx.nn.State, not weights) or your own, keep "
-          "ordinary gradients: build custom ones from these, or from "
-          "immgrad.immediate_layer.")
+        f"immgrad.equinox.immediate: cannot make {cls!r} immediate. "
+        f"Supported modules (and their subclasses): {names}. Other "
+        "modules, such as eqx.nn.ConvTranspose, eqx.nn.BatchNorm (its "
+        "statistics are eqx.nn.State, not weights) or your own, keep "
+        "ordinary gradients: build custom ones from these, or from "
+        "immgrad.immediate_layer."
+      )
   return tuple(modules)
 
 
@@ -114,8 +122,11 @@ def _dispatcher(cls: type, original: Callable) -> Callable:
   @functools.wraps(original)
   def __call__(self, *args, **kwargs):  # pylint: disable=invalid-name
     chosen = _chosen()
-    if (chosen is None or not isinstance(self, chosen) or
-        context.current() is None):
+    if (
+      chosen is None
+      or not isinstance(self, chosen)
+      or context.current() is None
+    ):
       return original(self, *args, **kwargs)
     bound = functools.partial(original, self)
     return implementation(self, bound, *args, **kwargs)
@@ -146,7 +157,7 @@ class _patched:  # pylint: disable=invalid-name
       if _depth == 0:
         for cls in equinox_layers.IMPLEMENTATIONS:
           _originals[cls] = cls.__dict__["__call__"]
-          setattr(cls, "__call__", _dispatcher(cls, _originals[cls]))
+          cls.__call__ = _dispatcher(cls, _originals[cls])
       _depth += 1
     if not hasattr(_local, "stack"):
       _local.stack = []
@@ -159,5 +170,5 @@ class _patched:  # pylint: disable=invalid-name
       _depth -= 1
       if _depth == 0:
         for cls, original in _originals.items():
-          setattr(cls, "__call__", original)
+          cls.__call__ = original
         _originals.clear()

@@ -40,14 +40,17 @@ def _apply(module: eqx.Module, fun, x, params):
   """
   base = next(c for c in type(module).__mro__ if c in IMPLEMENTATIONS)
   culprit = base_name = f"eqx.nn.{base.__name__}"
-  reparam.check_overrides("immgrad.equinox.immediate", module, base,
-                          base_name)
+  reparam.check_overrides("immgrad.equinox.immediate", module, base, base_name)
   if type(module) is not base:
     culprit = f"{base_name} subclass {type(module).__name__}"
   reparam.check_parameters(
-      "immgrad.equinox.immediate", culprit, base_name, params,
-      "made by a wrapper such as eqx.nn.WeightNorm or eqx.nn.SpectralNorm, "
-      "or by a cast")
+    "immgrad.equinox.immediate",
+    culprit,
+    base_name,
+    params,
+    "made by a wrapper such as eqx.nn.WeightNorm or eqx.nn.SpectralNorm, "
+    "or by a cast",
+  )
   name = f"{type(module).__name__} (Equinox)"
   return layer_lib.immediate_layer(fun, name=name)(x, params)
 
@@ -78,14 +81,17 @@ def linear(module: eqx.nn.Linear, original, x, *, key=None):
 def _pad(module: eqx.nn.Conv, x):
   """Equinox's padding for ``padding_mode`` other than ``"ZEROS"``."""
   if isinstance(module.padding, str):
-    rhs_shape = tuple(d * (k - 1) + 1
-                      for k, d in zip(module.kernel_size, module.dilation))
-    padding = lax.padtype_to_pads(x.shape[1:], rhs_shape, module.stride,
-                                  module.padding)
+    rhs_shape = tuple(
+      d * (k - 1) + 1 for k, d in zip(module.kernel_size, module.dilation)
+    )
+    padding = lax.padtype_to_pads(
+      x.shape[1:], rhs_shape, module.stride, module.padding
+    )
   else:
     padding = list(module.padding)
-  mode = {"REFLECT": "reflect", "REPLICATE": "edge",
-          "CIRCULAR": "wrap"}[module.padding_mode]
+  mode = {"REFLECT": "reflect", "REPLICATE": "edge", "CIRCULAR": "wrap"}[
+    module.padding_mode
+  ]
   return jnp.pad(x, [(0, 0)] + padding, mode)
 
 
@@ -95,8 +101,9 @@ def conv(module: eqx.nn.Conv, original, x, *, key=None):
   rank = module.num_spatial_dims + 1
   if x.ndim != rank:
     raise ValueError(
-        f"Input to `Conv` needs to have rank {rank}, but input has shape "
-        f"{x.shape}.")
+      f"Input to `Conv` needs to have rank {rank}, but input has shape "
+      f"{x.shape}."
+    )
   padding = module.padding
   if module.padding_mode != "ZEROS":
     x, padding = _pad(module, x), "VALID"
@@ -106,9 +113,13 @@ def conv(module: eqx.nn.Conv, original, x, *, key=None):
 
   def convolution(x, p):
     y = lax.conv_general_dilated(
-        lhs=jnp.expand_dims(x, axis=0), rhs=p["weight"],
-        window_strides=module.stride, padding=padding,
-        rhs_dilation=module.dilation, feature_group_count=module.groups)
+      lhs=jnp.expand_dims(x, axis=0),
+      rhs=p["weight"],
+      window_strides=module.stride,
+      padding=padding,
+      rhs_dilation=module.dilation,
+      feature_group_count=module.groups,
+    )
     y = jnp.squeeze(y, axis=0)
     if "bias" in p:
       y = y + p["bias"]
@@ -133,9 +144,10 @@ def _normalise(module, original, x, state, statistics):
     return original(x) if state is _NO_STATE else original(x, state)
   if x.shape != module.shape:
     raise ValueError(
-        f"`{name}(shape)(x)` must satisfy the invariant `shape == x.shape`. "
-        f"Received `shape={module.shape}` and `x.shape={x.shape}`. You might "
-        "need to call it under `jax.vmap`.")
+      f"`{name}(shape)(x)` must satisfy the invariant `shape == x.shape`. "
+      f"Received `shape={module.shape}` and `x.shape={x.shape}`. You might "
+      "need to call it under `jax.vmap`."
+    )
   out_dtype = x.dtype
   with jax.numpy_dtype_promotion("standard"):
     dtype = jnp.result_type(x.dtype, jnp.float32)
@@ -150,8 +162,9 @@ def _normalise(module, original, x, state, statistics):
   return y if state is _NO_STATE else (y, state)
 
 
-def layer_norm(module: eqx.nn.LayerNorm, original, x, state=_NO_STATE, *,
-               key=None):
+def layer_norm(
+  module: eqx.nn.LayerNorm, original, x, state=_NO_STATE, *, key=None
+):
   """``eqx.nn.LayerNorm.__call__``; its weight and bias immediate."""
   del key
 
@@ -163,13 +176,12 @@ def layer_norm(module: eqx.nn.LayerNorm, original, x, state=_NO_STATE, *,
   return _normalise(module, original, x, state, statistics)
 
 
-def rms_norm(module: eqx.nn.RMSNorm, original, x, state=_NO_STATE, *,
-             key=None):
+def rms_norm(module: eqx.nn.RMSNorm, original, x, state=_NO_STATE, *, key=None):
   """``eqx.nn.RMSNorm.__call__``; its weight and bias immediate."""
   del key
 
   def statistics(x):
-    return lax.rsqrt(jnp.mean(x ** 2) + module.eps) * x
+    return lax.rsqrt(jnp.mean(x**2) + module.eps) * x
 
   return _normalise(module, original, x, state, statistics)
 
@@ -183,16 +195,17 @@ def embedding(module: eqx.nn.Embedding, original, x, *, key=None):
   del original, key
   if not (eqx.is_array_like(x) and jnp.shape(x) == ()):
     raise ValueError(
-        "`eqx.nn.Embedding()(x)` should be called with a scalar index `x`. "
-        "Use `jax.vmap` if you would like to index with multiple values.")
+      "`eqx.nn.Embedding()(x)` should be called with a scalar index `x`. "
+      "Use `jax.vmap` if you would like to index with multiple values."
+    )
   return _apply(module, _lookup, x, {"weight": module.weight})
 
 
 # The Equinox class that defines each supported ``__call__``, and ours for it.
 IMPLEMENTATIONS = {
-    eqx.nn.Linear: linear,
-    eqx.nn.Conv: conv,
-    eqx.nn.LayerNorm: layer_norm,
-    eqx.nn.RMSNorm: rms_norm,
-    eqx.nn.Embedding: embedding,
+  eqx.nn.Linear: linear,
+  eqx.nn.Conv: conv,
+  eqx.nn.LayerNorm: layer_norm,
+  eqx.nn.RMSNorm: rms_norm,
+  eqx.nn.Embedding: embedding,
 }

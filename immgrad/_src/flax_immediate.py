@@ -50,8 +50,9 @@ _ADAPTER = "immgrad.flax.immediate"
 DEFAULT_MODULES = tuple(flax_layers.NNX) + flax_layers.LINEN_CLASSES
 
 
-def immediate(fn: Callable[..., Any],
-              modules: Sequence[type] = DEFAULT_MODULES) -> Callable[..., Any]:
+def immediate(
+  fn: Callable[..., Any], modules: Sequence[type] = DEFAULT_MODULES
+) -> Callable[..., Any]:
   """Makes the chosen Flax modules called in ``fn`` immediate layers.
 
   Args:
@@ -97,17 +98,22 @@ def immediate(fn: Callable[..., Any],
   """
   if not callable(fn):
     raise TypeError(
-        f"immgrad.flax.immediate expects a function that calls Flax "
-        f"modules, got {fn!r}.")
+      f"immgrad.flax.immediate expects a function that calls Flax "
+      f"modules, got {fn!r}."
+    )
   chosen = _check_modules(modules)
 
   def interceptor(next_fun, args, kwargs, ctx):
     if context.current() is None:
       return next_fun(*args, **kwargs)
     implementation = flax_layers.LINEN.get(
-        getattr(ctx.orig_method, "func", None))
-    if (implementation is None or not isinstance(ctx.module, chosen) or
-        ctx.module.is_initializing()):
+      getattr(ctx.orig_method, "func", None)
+    )
+    if (
+      implementation is None
+      or not isinstance(ctx.module, chosen)
+      or ctx.module.is_initializing()
+    ):
       return next_fun(*args, **kwargs)
     _check_linen_call(ctx.module, interceptor)
     return implementation(ctx.module, next_fun, *args, **kwargs)
@@ -138,28 +144,31 @@ def _check_linen_call(module: nn.Module, ours: Callable) -> None:
       return
     if not getattr(interceptor, "immgrad", False):
       raise ValueError(
-          f"{_ADAPTER}: the Linen interceptor {interceptor!r}, installed "
-          f"inside it, would be skipped for {base_name} "
-          f"{flax_layers.linen_name(module)!r}, whose call immgrad computes "
-          "itself. Install it outside instead (nn.intercept_methods around "
-          "the call of the wrapped function), so that it runs first, or "
-          f"leave {base_name} out of `modules=`.")
+        f"{_ADAPTER}: the Linen interceptor {interceptor!r}, installed "
+        f"inside it, would be skipped for {base_name} "
+        f"{flax_layers.linen_name(module)!r}, whose call immgrad computes "
+        "itself. Install it outside instead (nn.intercept_methods around "
+        "the call of the wrapped function), so that it runs first, or "
+        f"leave {base_name} out of `modules=`."
+      )
 
 
 def _check_modules(modules) -> tuple[type, ...]:
   if isinstance(modules, type):
     modules = (modules,)
   names = ", ".join(
-      f"{'nnx' if c in flax_layers.NNX else 'nn'}.{c.__name__}"
-      for c in DEFAULT_MODULES)
+    f"{'nnx' if c in flax_layers.NNX else 'nn'}.{c.__name__}"
+    for c in DEFAULT_MODULES
+  )
   for cls in modules:
     if not (isinstance(cls, type) and issubclass(cls, DEFAULT_MODULES)):
       raise ValueError(
-          f"immgrad.flax.immediate: cannot make {cls!r} immediate. Supported "
-          f"modules (and their subclasses): {names}. Other modules, such as "
-          "BatchNorm (its statistics are not parameters) or your own, keep "
-          "ordinary gradients: build custom ones from these, or from "
-          "immgrad.immediate_layer.")
+        f"immgrad.flax.immediate: cannot make {cls!r} immediate. Supported "
+        f"modules (and their subclasses): {names}. Other modules, such as "
+        "BatchNorm (its statistics are not parameters) or your own, keep "
+        "ordinary gradients: build custom ones from these, or from "
+        "immgrad.immediate_layer."
+      )
   return tuple(modules)
 
 
@@ -179,8 +188,9 @@ def _patched(cls: type, original: Callable) -> Callable:
     chosen = getattr(_local, "chosen", None)
     if chosen is None or not isinstance(self, chosen):
       return original(self, *args, **kwargs)
-    return implementation(self, functools.partial(original, self), *args,
-                          **kwargs)
+    return implementation(
+      self, functools.partial(original, self), *args, **kwargs
+    )
 
   __call__.immgrad_original = original
   return __call__
@@ -202,8 +212,9 @@ class _nnx_calls:  # pylint: disable=invalid-name
     with _patch_lock:
       if _patch_depth == 0:
         for cls in flax_layers.NNX:
-          type.__setattr__(cls, "__call__",
-                           _patched(cls, cls.__dict__["__call__"]))
+          type.__setattr__(
+            cls, "__call__", _patched(cls, cls.__dict__["__call__"])
+          )
       _patch_depth += 1
     self._outer = getattr(_local, "chosen", None)
     _local.chosen = self._chosen

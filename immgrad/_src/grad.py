@@ -39,19 +39,25 @@ from immgrad._src import shim as shim_lib
 _MODES = {"current": 0.0, "updated": 1.0}
 
 _MIXED = (
-    "parameter {path} is used by immediate layer {layer!r} and also by an "
-    "ordinary operation in the loss: tied weights (an embedding reused for "
-    "the logits) or a term such as an L2 penalty. The layer would step it "
-    "from its own part of the gradient only. For weight decay, drop the "
-    "loss term and use optax.add_decayed_weights or optax.adamw; for tied "
-    "weights, leave that layer's module class out of `modules=` (adapters) "
-    "or do not decorate it, so that the parameter trains ordinarily.")
+  "parameter {path} is used by immediate layer {layer!r} and also by an "
+  "ordinary operation in the loss: tied weights (an embedding reused for "
+  "the logits) or a term such as an L2 penalty. The layer would step it "
+  "from its own part of the gradient only. For weight decay, drop the "
+  "loss term and use optax.add_decayed_weights or optax.adamw; for tied "
+  "weights, leave that layer's module class out of `modules=` (adapters) "
+  "or do not decorate it, so that the parameter trains ordinarily."
+)
 
 
-def value_and_grad(fun: Callable[..., Any], tx: optax.GradientTransformation,
-                   *, mode: str | float = "updated", axis_name=None,
-                   has_aux: bool = False,
-                   measure_dx: bool = False) -> Callable[..., Any]:
+def value_and_grad(
+  fun: Callable[..., Any],
+  tx: optax.GradientTransformation,
+  *,
+  mode: str | float = "updated",
+  axis_name=None,
+  has_aux: bool = False,
+  measure_dx: bool = False,
+) -> Callable[..., Any]:
   """Makes a training step in which immediate layers update during backprop.
 
   Args:
@@ -115,12 +121,14 @@ def value_and_grad(fun: Callable[..., Any], tx: optax.GradientTransformation,
   dx_at = _dx_at(mode)
   if not isinstance(tx, base.ShimTransformation):
     raise TypeError(
-        "immgrad.value_and_grad: tx must be the optimizer from "
-        f"immgrad.shim(...), got {tx!r}. Wrap your optax optimizer: "
-        "tx = immgrad.shim(optax.adam(1e-3)).")
+      "immgrad.value_and_grad: tx must be the optimizer from "
+      f"immgrad.shim(...), got {tx!r}. Wrap your optax optimizer: "
+      "tx = immgrad.shim(optax.adam(1e-3))."
+    )
   if not callable(fun):
-    raise TypeError(f"immgrad.value_and_grad: fun must be callable, got "
-                    f"{fun!r}.")
+    raise TypeError(
+      f"immgrad.value_and_grad: fun must be callable, got {fun!r}."
+    )
 
   def step(params, opt_state, *args):
     axes.check_bound(axis_name)
@@ -131,19 +139,32 @@ def value_and_grad(fun: Callable[..., Any], tx: optax.GradientTransformation,
     state = shim_lib.state_leaves(plan, opt_state)
     states = [[state[k] for k in leaf.reads] for leaf in plan.leaves]
     shapes = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)),
-        params)
+      lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), params
+    )
     run = None
 
     def loss(views, weights, flag, probes):
       nonlocal run
-      run = context.Step(tx.inner, shapes, plan.shared_positions, dx_at,
-                         axis_name, tx.atomic, flag, measure_dx)
+      run = context.Step(
+        tx.inner,
+        shapes,
+        plan.shared_positions,
+        dx_at,
+        axis_name,
+        tx.atomic,
+        flag,
+        measure_dx,
+      )
       for i, view in enumerate(views):
-        slot = context.Slot(path=paths[i], view=None, weight=weights[i],
-                            state=states[i],
-                            probe=probes[i] if measure_dx else None,
-                            program=plan.leaves[i], index=i)
+        slot = context.Slot(
+          path=paths[i],
+          view=None,
+          weight=weights[i],
+          state=states[i],
+          probe=probes[i] if measure_dx else None,
+          program=plan.leaves[i],
+          index=i,
+        )
         views[i] = slot.watch(view)
         run.add(slot)
       with context.opened(run):
@@ -151,19 +172,25 @@ def value_and_grad(fun: Callable[..., Any], tx: optax.GradientTransformation,
       _check_loss(fun, out, has_aux)
       return out
 
-    probes = ([jnp.zeros(jnp.shape(leaf), jnp.float32) for leaf in leaves]
-              if measure_dx else None)
+    probes = (
+      [jnp.zeros(jnp.shape(leaf), jnp.float32) for leaf in leaves]
+      if measure_dx
+      else None
+    )
     value, backward, *aux = jax.vjp(
-        loss, leaves, leaves, jnp.zeros((), jnp.float32), probes,
-        has_aux=has_aux)
+      loss, leaves, leaves, jnp.zeros((), jnp.float32), probes, has_aux=has_aux
+    )
     cts, dws, nonfinite, changes = backward(jnp.ones_like(value))
     grads = []
     for i, slot in enumerate(run.slots):
       if slot.layer is not None and slot.ordinary:
         raise ValueError(_MIXED.format(path=slot.path, layer=slot.layer))
       if slot.layer is not None and slot.stepped:
-        grads.append(base.ImmediateGrad(
-            dws[i], nonfinite if tx.atomic else None, slot.layer_axes))
+        grads.append(
+          base.ImmediateGrad(
+            dws[i], nonfinite if tx.atomic else None, slot.layer_axes
+          )
+        )
       elif slot.ordinary:
         grads.append(axes.mean_of_cotangent(cts[i], leaves[i], axis_name))
       else:  # Untouched this step: keep its weights and state.
@@ -171,8 +198,13 @@ def value_and_grad(fun: Callable[..., Any], tx: optax.GradientTransformation,
     grads = treedef.unflatten(grads)
     value = (value, aux[0]) if has_aux else value
     if measure_dx:
-      return value, grads, treedef.unflatten(
-          [_measured(change, slot) for change, slot in zip(changes, run.slots)])
+      return (
+        value,
+        grads,
+        treedef.unflatten(
+          [_measured(change, slot) for change, slot in zip(changes, run.slots)]
+        ),
+      )
     return value, grads
 
   return step
@@ -182,12 +214,16 @@ def _dx_at(mode) -> float:
   """``mode`` as the fraction of the update that dX sees."""
   if isinstance(mode, str) and mode in _MODES:
     return _MODES[mode]
-  if (isinstance(mode, numbers.Real) and not isinstance(mode, bool) and
-      math.isfinite(mode)):
+  if (
+    isinstance(mode, numbers.Real)
+    and not isinstance(mode, bool)
+    and math.isfinite(mode)
+  ):
     return float(mode)
   raise ValueError(
-      f"immgrad.value_and_grad: mode must be \"current\", \"updated\" or a "
-      f"finite real number a (dX at W + a * (W_new - W)), got {mode!r}.")
+    f'immgrad.value_and_grad: mode must be "current", "updated" or a '
+    f"finite real number a (dX at W + a * (W_new - W)), got {mode!r}."
+  )
 
 
 def _measured(change, slot):
@@ -201,11 +237,16 @@ def _measured(change, slot):
 def _check_loss(fun, out, has_aux):
   if has_aux and not (isinstance(out, tuple) and len(out) == 2):
     raise TypeError(
-        f"immgrad.value_and_grad: with has_aux=True, {fun!r} must return "
-        f"(loss, aux), got {type(out).__name__}.")
+      f"immgrad.value_and_grad: with has_aux=True, {fun!r} must return "
+      f"(loss, aux), got {type(out).__name__}."
+    )
   value = out[0] if has_aux else out
-  if not (hasattr(value, "shape") and value.shape == () and
-          jnp.issubdtype(jnp.result_type(value), jnp.floating)):
+  if not (
+    hasattr(value, "shape")
+    and value.shape == ()
+    and jnp.issubdtype(jnp.result_type(value), jnp.floating)
+  ):
     raise TypeError(
-        f"immgrad.value_and_grad: {getattr(fun, '__qualname__', fun)!r} "
-        f"must return a real scalar loss, got {value!r}.")
+      f"immgrad.value_and_grad: {getattr(fun, '__qualname__', fun)!r} "
+      f"must return a real scalar loss, got {value!r}."
+    )

@@ -24,7 +24,7 @@ is ``jax.lax.scan``, so nothing else changes.
 
 import functools
 import threading
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Sequence
 
 import haiku as hk
 from haiku._src import layer_stack as hk_layer_stack
@@ -40,9 +40,12 @@ from immgrad._src import scan as scan_lib
 DEFAULT_MODULES = (hk.Linear, hk.ConvND, hk.LayerNorm, hk.RMSNorm, hk.Embed)
 
 
-def immediate(fn: Callable[..., Any],
-              modules: Sequence[type] = DEFAULT_MODULES, *,
-              compute_dtype: Optional[Any] = None) -> Callable[..., Any]:
+def immediate(
+  fn: Callable[..., Any],
+  modules: Sequence[type] = DEFAULT_MODULES,
+  *,
+  compute_dtype: Any | None = None,
+) -> Callable[..., Any]:
   """Makes the chosen Haiku modules in ``fn`` immediate layers.
 
   Args:
@@ -84,17 +87,23 @@ def immediate(fn: Callable[..., Any],
   """
   if not callable(fn):
     raise TypeError(
-        f"immgrad.haiku.immediate expects a Haiku forward function, got "
-        f"{fn!r}.")
+      f"immgrad.haiku.immediate expects a Haiku forward function, got {fn!r}."
+    )
   chosen = _check_modules(modules)
 
   def interceptor(next_f, args, kwargs, ctx):
     implementation = haiku_layers.IMPLEMENTATIONS.get(ctx.orig_class)
-    cast = (compute_dtype if issubclass(ctx.orig_class, haiku_layers.CASTING)
-            else None)
-    if (ctx.method_name != "__call__" or implementation is None or
-        not isinstance(ctx.module, chosen) or
-        (context.current() is None and cast is None)):
+    cast = (
+      compute_dtype
+      if issubclass(ctx.orig_class, haiku_layers.CASTING)
+      else None
+    )
+    if (
+      ctx.method_name != "__call__"
+      or implementation is None
+      or not isinstance(ctx.module, chosen)
+      or (context.current() is None and cast is None)
+    ):
       return next_f(*args, **kwargs)
     _check_inner_interceptors(ctx.module, interceptor)
     if cast is not None:
@@ -124,12 +133,13 @@ def _check_inner_interceptors(module: hk.Module, ours: Callable) -> None:
     if not getattr(interceptor, "immgrad", False):
       name = haiku_layers.public_name(module)
       raise ValueError(
-          f"immgrad.haiku.immediate: the Haiku interceptor {interceptor!r}, "
-          f"installed inside it, would be skipped for {name} "
-          f"{module.module_name!r}, whose call immgrad computes itself. "
-          "Install it outside instead (hk.intercept_methods around the "
-          "wrapped function), so that it runs first, or leave "
-          f"{name} out of `modules=`.")
+        f"immgrad.haiku.immediate: the Haiku interceptor {interceptor!r}, "
+        f"installed inside it, would be skipped for {name} "
+        f"{module.module_name!r}, whose call immgrad computes itself. "
+        "Install it outside instead (hk.intercept_methods around the "
+        "wrapped function), so that it runs first, or leave "
+        f"{name} out of `modules=`."
+      )
 
 
 def _check_modules(modules) -> tuple[type, ...]:
@@ -140,11 +150,12 @@ def _check_modules(modules) -> tuple[type, ...]:
   for cls in modules:
     if not (isinstance(cls, type) and issubclass(cls, supported)):
       raise ValueError(
-          f"immgrad.haiku.immediate: cannot make {cls!r} immediate. Supported "
-          f"modules (and their subclasses): {names}. Other modules, such as "
-          "hk.BatchNorm (its statistics are Haiku state, not weights) or "
-          "your own, keep ordinary gradients: build custom ones from these, "
-          "or from immgrad.immediate_layer.")
+        f"immgrad.haiku.immediate: cannot make {cls!r} immediate. Supported "
+        f"modules (and their subclasses): {names}. Other modules, such as "
+        "hk.BatchNorm (its statistics are Haiku state, not weights) or "
+        "your own, keep ordinary gradients: build custom ones from these, "
+        "or from immgrad.immediate_layer."
+      )
   return tuple(modules)
 
 
@@ -188,6 +199,7 @@ def layer_stack(num_layers: int, **kwargs) -> Callable[[Callable], Callable]:
 
 class _Lax:
   """``jax.lax`` with ``scan`` replaced by ``immgrad.scan``."""
+
   scan = staticmethod(scan_lib.scan)
 
   def __getattr__(self, name):
@@ -196,6 +208,7 @@ class _Lax:
 
 class _JaxForLayerStack:
   """``jax`` as Haiku's layer_stack sees it while a model runs here."""
+
   lax = _Lax()
 
   def __getattr__(self, name):
@@ -204,14 +217,17 @@ class _JaxForLayerStack:
 
 class _JaxForRemat:
   """``jax`` as Haiku's ``hk.remat`` sees it while a model runs here."""
+
   remat = checkpoint = staticmethod(remat_lib.checkpoint)
 
   def __getattr__(self, name):
     return getattr(jax, name)
 
 
-_PATCHES = ((hk_layer_stack, _JaxForLayerStack()),
-            (hk_stateful, _JaxForRemat()))
+_PATCHES = (
+  (hk_layer_stack, _JaxForLayerStack()),
+  (hk_stateful, _JaxForRemat()),
+)
 _patch_lock = threading.Lock()
 _patch_depth = 0
 

@@ -31,8 +31,9 @@ def _stepping() -> bool:
 
 def public_name(module: hk.Module) -> str:
   """``module``'s Haiku class as users write it (``hk.Conv2D``)."""
-  base = next(c for c in type(module).__mro__
-              if c.__module__.startswith("haiku."))
+  base = next(
+    c for c in type(module).__mro__ if c.__module__.startswith("haiku.")
+  )
   return f"hk.{base.__name__}"
 
 
@@ -55,16 +56,21 @@ def _apply(module: hk.Module, fun, x, params, compute_dtype=None):
   """
   base_name = public_name(module)
   reparam.check_parameters(
-      "immgrad.haiku.immediate", f"{base_name} {module.module_name!r}",
-      base_name, params,
-      "made by a custom getter, such as hk.custom_getter or "
-      "hk.mixed_precision's cast, or by a cast of the params")
-  return layer_lib.immediate_layer(fun, name=module.module_name,
-                                   compute_dtype=compute_dtype)(x, params)
+    "immgrad.haiku.immediate",
+    f"{base_name} {module.module_name!r}",
+    base_name,
+    params,
+    "made by a custom getter, such as hk.custom_getter or "
+    "hk.mixed_precision's cast, or by a cast of the params",
+  )
+  return layer_lib.immediate_layer(
+    fun, name=module.module_name, compute_dtype=compute_dtype
+  )(x, params)
 
 
-def linear(module: hk.Linear, original, inputs, *, precision=None,
-           compute_dtype=None):
+def linear(
+  module: hk.Linear, original, inputs, *, precision=None, compute_dtype=None
+):
   """``hk.Linear.__call__``, immediate inside a step."""
   if _original(compute_dtype):
     return original(inputs, precision=precision)
@@ -73,8 +79,9 @@ def linear(module: hk.Linear, original, inputs, *, precision=None,
     raise ValueError("Input must not be scalar.")
   module.input_size = inputs.shape[-1]
   dtype = inputs.dtype
-  params = {"w": hk.get_parameter(
-      "w", [inputs.shape[-1], module.output_size], dtype)}
+  params = {
+    "w": hk.get_parameter("w", [inputs.shape[-1], module.output_size], dtype)
+  }
   if module.with_bias:
     params["b"] = hk.get_parameter("b", [module.output_size], dtype)
 
@@ -87,8 +94,9 @@ def linear(module: hk.Linear, original, inputs, *, precision=None,
   return _apply(module, affine, inputs, params, compute_dtype)
 
 
-def conv(module: hk.ConvND, original, inputs, *, precision=None,
-         compute_dtype=None):
+def conv(
+  module: hk.ConvND, original, inputs, *, precision=None, compute_dtype=None
+):
   """``hk.ConvND.__call__`` (``Conv1D``/``2D``/``3D``), immediate in a step."""
   if _original(compute_dtype):
     return original(inputs, precision=precision)
@@ -96,19 +104,23 @@ def conv(module: hk.ConvND, original, inputs, *, precision=None,
   unbatched_rank = module.num_spatial_dims + 1
   if inputs.ndim not in (unbatched_rank, unbatched_rank + 1):
     raise ValueError(
-        f"Input to {module.module_name} needs to have rank in "
-        f"{[unbatched_rank, unbatched_rank + 1]}, but input has shape "
-        f"{inputs.shape}.")
+      f"Input to {module.module_name} needs to have rank in "
+      f"{[unbatched_rank, unbatched_rank + 1]}, but input has shape "
+      f"{inputs.shape}."
+    )
   unbatched = inputs.ndim == unbatched_rank
   if unbatched:
     inputs = jnp.expand_dims(inputs, axis=0)
   channels = inputs.shape[module.channel_index]
   if channels % module.feature_group_count:
     raise ValueError(
-        f"Inputs channels {channels} should be a multiple of "
-        f"feature_group_count {module.feature_group_count}")
+      f"Inputs channels {channels} should be a multiple of "
+      f"feature_group_count {module.feature_group_count}"
+    )
   w_shape = tuple(module.kernel_shape) + (
-      channels // module.feature_group_count, module.output_channels)
+    channels // module.feature_group_count,
+    module.output_channels,
+  )
   params = {"w": hk.get_parameter("w", w_shape, inputs.dtype)}
   if module.with_bias:
     if module.channel_index == -1:
@@ -120,10 +132,16 @@ def conv(module: hk.ConvND, original, inputs, *, precision=None,
   def convolution(x, p):
     w = p["w"] if module.mask is None else p["w"] * module.mask
     out = jax.lax.conv_general_dilated(
-        x, w, window_strides=module.stride, padding=module.padding,
-        lhs_dilation=module.lhs_dilation, rhs_dilation=module.kernel_dilation,
-        dimension_numbers=module.dimension_numbers,
-        feature_group_count=module.feature_group_count, precision=precision)
+      x,
+      w,
+      window_strides=module.stride,
+      padding=module.padding,
+      lhs_dilation=module.lhs_dilation,
+      rhs_dilation=module.kernel_dilation,
+      dimension_numbers=module.dimension_numbers,
+      feature_group_count=module.feature_group_count,
+      precision=precision,
+    )
     if "b" in p:
       out = out + jnp.broadcast_to(p["b"], out.shape)
     return out
@@ -144,8 +162,9 @@ def _param_shape(param_axis, inputs) -> tuple[int, ...]:
   param_axis = _abs_axes(param_axis, inputs.ndim)
   if param_axis == (inputs.ndim - 1,):
     return tuple(inputs.shape[-1:])
-  return tuple(inputs.shape[i] if i in param_axis else 1
-               for i in range(inputs.ndim))
+  return tuple(
+    inputs.shape[i] if i in param_axis else 1 for i in range(inputs.ndim)
+  )
 
 
 def _broadcast(a, shape):
@@ -154,8 +173,7 @@ def _broadcast(a, shape):
   return a
 
 
-def layer_norm(module: hk.LayerNorm, original, inputs, scale=None,
-               offset=None):
+def layer_norm(module: hk.LayerNorm, original, inputs, scale=None, offset=None):
   """``hk.LayerNorm.__call__``; its scale and offset immediate in a step.
 
   The statistics are computed outside the immediate primitive, which is
@@ -166,11 +184,11 @@ def layer_norm(module: hk.LayerNorm, original, inputs, scale=None,
     return original(inputs, scale, offset)
   inputs = jnp.asarray(inputs)
   if module.create_scale and scale is not None:
-    raise ValueError(
-        "Cannot pass `scale` at call time if `create_scale=True`.")
+    raise ValueError("Cannot pass `scale` at call time if `create_scale=True`.")
   if module.create_offset and offset is not None:
     raise ValueError(
-        "Cannot pass `offset` at call time if `create_offset=True`.")
+      "Cannot pass `offset` at call time if `create_offset=True`."
+    )
   axis = _abs_axes(module.axis, inputs.ndim)
   mean = jnp.mean(inputs, axis=axis, keepdims=True)
   if module.use_fast_variance:
@@ -191,7 +209,7 @@ def layer_norm(module: hk.LayerNorm, original, inputs, scale=None,
   eps = jax.lax.convert_element_type(module.eps, variance.dtype)
   x["rsqrt"] = jax.lax.rsqrt(variance + eps)
   x["centred"] = inputs - _broadcast(mean, inputs.shape)
-  one, zero = np.array(1., inputs.dtype), np.array(0., inputs.dtype)
+  one, zero = np.array(1.0, inputs.dtype), np.array(0.0, inputs.dtype)
 
   def affine(x, p):
     shape = x["centred"].shape
@@ -208,34 +226,47 @@ def rms_norm(module: hk.RMSNorm, original, inputs):
     return original(inputs)
   inputs = jnp.asarray(inputs)
   axis = _abs_axes(module.axis, inputs.ndim)
-  params = {"scale": hk.get_parameter(
-      "scale", _param_shape(module.param_axis, inputs), inputs.dtype)}
+  params = {
+    "scale": hk.get_parameter(
+      "scale", _param_shape(module.param_axis, inputs), inputs.dtype
+    )
+  }
   mean_squared = jnp.mean(jnp.square(inputs), axis=axis, keepdims=True)
   mean_squared = jnp.broadcast_to(mean_squared, inputs.shape)
   x = {"inputs": inputs, "rsqrt": jax.lax.rsqrt(mean_squared + module.eps)}
 
   def scaled(x, p):
-    return (x["inputs"] * jnp.broadcast_to(p["scale"], x["inputs"].shape)
-            * x["rsqrt"])
+    return (
+      x["inputs"] * jnp.broadcast_to(p["scale"], x["inputs"].shape) * x["rsqrt"]
+    )
 
   return _apply(module, scaled, x, params)
 
 
-def embed(module: hk.Embed, original, ids, lookup_style=None,
-          precision=None, *, compute_dtype=None):
+def embed(
+  module: hk.Embed,
+  original,
+  ids,
+  lookup_style=None,
+  precision=None,
+  *,
+  compute_dtype=None,
+):
   """``hk.Embed.__call__``, immediate in a step."""
   if _original(compute_dtype):
     return original(ids, lookup_style, precision)
   ids = jnp.asarray(ids)
   if not jnp.issubdtype(ids.dtype, jnp.integer):
     raise ValueError(
-        "hk.Embed's __call__ method must take an array of integer dtype but "
-        f"was called with an array of {ids.dtype}")
+      "hk.Embed's __call__ method must take an array of integer dtype but "
+      f"was called with an array of {ids.dtype}"
+    )
   style = lookup_style or module.lookup_style
   if isinstance(style, str):
     style = getattr(hk.EmbedLookupStyle, style.upper())
   params = {"embeddings": module.embeddings}
   if style == hk.EmbedLookupStyle.ARRAY_INDEX:
+
     def lookup(i, p):
       return jnp.asarray(p["embeddings"])[(i,)]
   elif style == hk.EmbedLookupStyle.ONE_HOT:
@@ -256,11 +287,11 @@ CASTING = (hk.Linear, hk.ConvND, hk.Embed)
 
 # The Haiku class that defines each supported ``__call__``, and ours for it.
 IMPLEMENTATIONS = {
-    hk.Linear: linear,
-    hk.ConvND: conv,
-    hk.LayerNorm: layer_norm,
-    hk.RMSNorm: rms_norm,
-    hk.Embed: embed,
+  hk.Linear: linear,
+  hk.ConvND: conv,
+  hk.LayerNorm: layer_norm,
+  hk.RMSNorm: rms_norm,
+  hk.Embed: embed,
 }
 
 

@@ -34,21 +34,24 @@ Outside ``immgrad.value_and_grad`` the decorated function is ``fun`` itself.
 
 import functools
 import inspect
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import jax
 from jax import custom_batching
 import jax.numpy as jnp
 
 from immgrad._src import axes
-from immgrad._src import context
 from immgrad._src import commit
+from immgrad._src import context
 from immgrad._src.compat import get_opaque_trace_state
 
 
-def immediate_layer(fun: Optional[Callable[[Any, Any], Any]] = None, *,
-                    name: Optional[str] = None,
-                    compute_dtype: Optional[Any] = None):
+def immediate_layer(
+  fun: Callable[[Any, Any], Any] | None = None,
+  *,
+  name: str | None = None,
+  compute_dtype: Any | None = None,
+):
   """Makes a primitive layer ``fun(x, params) -> y`` update immediately.
 
   Decorate the smallest parametric primitive (an affine map, a convolution,
@@ -91,12 +94,13 @@ def immediate_layer(fun: Optional[Callable[[Any, Any], Any]] = None, *,
     precision.
   """
   if fun is None:
-    return functools.partial(immediate_layer, name=name,
-                             compute_dtype=compute_dtype)
+    return functools.partial(
+      immediate_layer, name=name, compute_dtype=compute_dtype
+    )
   if not callable(fun):
     raise TypeError(
-        f"immgrad.immediate_layer expects a function fun(x, params), got "
-        f"{fun!r}.")
+      f"immgrad.immediate_layer expects a function fun(x, params), got {fun!r}."
+    )
   layer_name = name or getattr(fun, "__qualname__", None) or repr(fun)
   _check_signature(fun, layer_name)
   compute = fun if compute_dtype is None else _in_dtype(fun, compute_dtype)
@@ -114,8 +118,9 @@ def _call(fun, layer_name: str, x, params):
   if step is None:
     return fun(x, params)
   # pylint: disable-next=protected-access
-  if (get_opaque_trace_state() != step._trace and
-      _batched_somewhere((x, params))):
+  if get_opaque_trace_state() != step._trace and _batched_somewhere(
+    (x, params)
+  ):
     return _vmapped(fun, layer_name, x, params)
   # In another trace but not under vmap (a loop, a branch, an inner jit),
   # the claim raises and says why.
@@ -124,11 +129,12 @@ def _call(fun, layer_name: str, x, params):
 
 
 _BATCHED_PARAMS = (
-    "immediate layer {layer!r} got parameters mapped by jax.vmap (hk.vmap, "
-    "eqx.filter_vmap): per-example or stacked weights, which would need one "
-    "step per example. A vmapped layer steps its weights once, on the "
-    "whole batch's gradient: close over the parameters, or pass them with "
-    "in_axes=None. For stacked layers use immgrad.scan.")
+  "immediate layer {layer!r} got parameters mapped by jax.vmap (hk.vmap, "
+  "eqx.filter_vmap): per-example or stacked weights, which would need one "
+  "step per example. A vmapped layer steps its weights once, on the "
+  "whole batch's gradient: close over the parameters, or pass them with "
+  "in_axes=None. For stacked layers use immgrad.scan."
+)
 
 
 def _vmapped(fun, layer_name: str, x, params):
@@ -187,10 +193,16 @@ def _batched_somewhere(x) -> bool:
 
 def _in_dtype(fun: Callable, dtype: Any) -> Callable:
   """``fun`` with the floating leaves of its arguments cast to ``dtype``."""
+
   def cast(tree):
     return jax.tree.map(
-        lambda a: a.astype(dtype)
-        if jnp.issubdtype(jnp.result_type(a), jnp.floating) else a, tree)
+      lambda a: (
+        a.astype(dtype)
+        if jnp.issubdtype(jnp.result_type(a), jnp.floating)
+        else a
+      ),
+      tree,
+    )
 
   return lambda x, params: fun(cast(x), cast(params))
 
@@ -204,10 +216,11 @@ def _check_signature(fun: Callable, layer_name: str) -> None:
     signature.bind(None, None)
   except TypeError as e:
     raise TypeError(
-        f"immgrad.immediate_layer: {layer_name!r} must be callable as "
-        f"fun(x, params) with two positional arguments; its signature is "
-        f"{signature}. Bind other arguments first (functools.partial) or "
-        f"pack them into x.") from e
+      f"immgrad.immediate_layer: {layer_name!r} must be callable as "
+      f"fun(x, params) with two positional arguments; its signature is "
+      f"{signature}. Bind other arguments first (functools.partial) or "
+      f"pack them into x."
+    ) from e
 
 
 def _immediate(fun, step: context.Step, slots, treedef, x):
@@ -246,8 +259,10 @@ def _immediate(fun, step: context.Step, slots, treedef, x):
     nonfinite = jnp.zeros((), jnp.float32)
     dx, probes = dx_current if at == 0 else None, None
     if at != 0 or step.atomic or step.measure_dx:
-      stepped = [commit.step_parameter(slot.program, g, s, w)
-                 for slot, g, s, w in zip(slots, dw, states, weights)]
+      stepped = [
+        commit.step_parameter(slot.program, g, s, w)
+        for slot, g, s, w in zip(slots, dw, states, weights)
+      ]
       new = [w for w, _ in stepped]
       if step.atomic:
         nonfinite = jnp.where(commit.all_finite((dw, stepped)), 0.0, 1.0)
@@ -256,19 +271,30 @@ def _immediate(fun, step: context.Step, slots, treedef, x):
       if at == 1:
         dx = dx_updated
       elif at != 0:
-        dx = dx_from(x, [w + jnp.asarray(at, w.dtype) * (n - w)
-                    for w, n in zip(weights, new)], dy)
+        dx = dx_from(
+          x,
+          [
+            w + jnp.asarray(at, w.dtype) * (n - w) for w, n in zip(weights, new)
+          ],
+          dy,
+        )
       if step.measure_dx:
         change = _relative_change(dx_updated, dx_current, axis_name)
-        probes = [_at_first(jnp.zeros_like(w, jnp.float32), change)
-                  for w in weights]
+        probes = [
+          _at_first(jnp.zeros_like(w, jnp.float32), change) for w in weights
+        ]
     for slot in slots:
       slot.mark_stepped()
     return dx, dw, None, nonfinite, probes
 
   core.defvjp(fwd, bwd)
-  return core(x, [s.weight for s in slots], [s.state for s in slots],
-              step.flag, [s.probe for s in slots] if step.measure_dx else None)
+  return core(
+    x,
+    [s.weight for s in slots],
+    [s.state for s in slots],
+    step.flag,
+    [s.probe for s in slots] if step.measure_dx else None,
+  )
 
 
 def _relative_change(dx_updated, dx_current, axis_name) -> jax.Array:
@@ -278,9 +304,11 @@ def _relative_change(dx_updated, dx_current, axis_name) -> jax.Array:
   whole batch's dX, not of one replica's share. Integer inputs (an
   embedding's token ids) have no dX: 0 if the layer has no other input.
   """
-  pairs = [(u.astype(jnp.float32), c.astype(jnp.float32)) for u, c in zip(
-      jax.tree.leaves(dx_updated), jax.tree.leaves(dx_current))
-           if jnp.issubdtype(c.dtype, jnp.inexact)]
+  pairs = [
+    (u.astype(jnp.float32), c.astype(jnp.float32))
+    for u, c in zip(jax.tree.leaves(dx_updated), jax.tree.leaves(dx_current))
+    if jnp.issubdtype(c.dtype, jnp.inexact)
+  ]
   if not pairs:  # An integer input (token ids): there is no dX to change.
     return jnp.zeros((), jnp.float32)
   num = sum(jnp.sum(jnp.square(u - c)) for u, c in pairs)

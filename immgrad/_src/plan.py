@@ -27,11 +27,11 @@ that a helper jitted over the whole tree does not glue leaves together.
 
 import dataclasses
 import functools
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import jax
-import jax.numpy as jnp
 from jax.extend import core as jax_core
+import jax.numpy as jnp
 
 from immgrad._src import compat
 
@@ -51,6 +51,7 @@ class LeafProgram:
   all owned by this parameter. ``read_avals`` and ``write_avals`` are their
   shapes and dtypes.
   """
+
   fun: Any
   reads: tuple
   writes: tuple
@@ -65,6 +66,7 @@ class LeafProgram:
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """The cut of ``tx.update`` for one params tree (shapes and dtypes)."""
+
   leaves: tuple  # One LeafProgram per parameter leaf.
   shared: Any  # (*shared old state) -> shared new state.
   shared_positions: tuple  # Where the shared state leaves are.
@@ -83,9 +85,13 @@ def make(tx, params: Any) -> Plan:
   """
   params = jax.tree.map(_aval, params)
   state = jax.eval_shape(tx.init, params)
-  return _make(tx, jax.tree.structure(params),
-               tuple(jax.tree.leaves(params)), jax.tree.structure(state),
-               tuple(jax.tree.leaves(state)))
+  return _make(
+    tx,
+    jax.tree.structure(params),
+    tuple(jax.tree.leaves(params)),
+    jax.tree.structure(state),
+    tuple(jax.tree.leaves(state)),
+  )
 
 
 def layer_program(tx, params: Any, index: int, layer_axes: int) -> LeafProgram:
@@ -106,42 +112,50 @@ def _make(tx, params_def, param_avals, state_def, state_avals) -> Plan:
   state = state_def.unflatten(state_avals)
   with jax.disable_jit():
     closed, out_shape = jax.make_jaxpr(tx.update, return_shape=True)(
-        params, state, params)
+      params, state, params
+    )
   jaxpr = closed.jaxpr
   n, m = len(param_avals), len(state_avals)
   updates, new_state = out_shape
-  if (jax.tree.structure(updates) != params_def or
-      jax.tree.structure(new_state) != state_def):
+  if (
+    jax.tree.structure(updates) != params_def
+    or jax.tree.structure(new_state) != state_def
+  ):
     raise NotSeparable(
-        "its update returns a tree not shaped like the params, or a state "
-        "not shaped like its init")
-  grad_in, state_in = jaxpr.invars[:n], jaxpr.invars[n:n + m]
-  param_in = jaxpr.invars[n + m:]
+      "its update returns a tree not shaped like the params, or a state "
+      "not shaped like its init"
+    )
+  grad_in, state_in = jaxpr.invars[:n], jaxpr.invars[n : n + m]
+  param_in = jaxpr.invars[n + m :]
   update_out, state_out = jaxpr.outvars[:n], jaxpr.outvars[n:]
 
   # Which parameters' gradients and values each new state leaf depends on.
   bits = [1 << i for i in range(n)]
   first = _taint(jaxpr, bits + [0] * m + bits)
   owner = []
-  for k, b in enumerate(first[n:]):
+  for b in first[n:]:
     if b and b & (b - 1):
       raise NotSeparable(
-          "its state keeps a value computed from the gradients or values of "
-          "several parameters (a global estimate or statistic), which a "
-          "per-parameter step would compute from one parameter alone")
+        "its state keeps a value computed from the gradients or values of "
+        "several parameters (a global estimate or statistic), which a "
+        "per-parameter step would compute from one parameter alone"
+      )
     owner.append(b.bit_length() - 1 if b else _SHARED)
   # Now with each state leaf tainted by its owner: nothing may cross.
   owned = [0 if o == _SHARED else 1 << o for o in owner]
   second = _taint(jaxpr, bits + owned + bits)
   for i, b in enumerate(second[:n]):
     if b & ~bits[i]:
-      raise NotSeparable("the update of one parameter depends on the "
-                         "gradients, values or state of another")
+      raise NotSeparable(
+        "the update of one parameter depends on the "
+        "gradients, values or state of another"
+      )
   for k, b in enumerate(second[n:]):
     if b & ~owned[k]:
       raise NotSeparable(
-          "the new state of one parameter (or the state shared by all) "
-          "depends on the gradients, values or state of another")
+        "the new state of one parameter (or the state shared by all) "
+        "depends on the gradients, values or state of another"
+      )
 
   leaves = []
   for i in range(n):
@@ -151,15 +165,20 @@ def _make(tx, params_def, param_avals, state_def, state_avals) -> Plan:
     used = set(used)
     reads = tuple(k for k in range(m) if state_in[k] in used)
     ins = [grad_in[i], param_in[i]] + [state_in[k] for k in reads]
-    leaves.append(LeafProgram(_as_fun(sub, ins, outs), reads, writes,
-                              tuple(state_avals[k] for k in reads),
-                              tuple(state_avals[k] for k in writes)))
+    leaves.append(
+      LeafProgram(
+        _as_fun(sub, ins, outs),
+        reads,
+        writes,
+        tuple(state_avals[k] for k in reads),
+        tuple(state_avals[k] for k in writes),
+      )
+    )
   shared_positions = tuple(k for k in range(m) if owner[k] == _SHARED)
   shared_outs = [state_out[k] for k in shared_positions]
   sub, _ = _slice(closed, shared_outs)
   shared = _as_fun(sub, [state_in[k] for k in shared_positions], shared_outs)
-  return Plan(tuple(leaves), shared, shared_positions, state_def,
-              state_avals)
+  return Plan(tuple(leaves), shared, shared_positions, state_def, state_avals)
 
 
 def _taint(jaxpr, inputs: list) -> list:
@@ -177,8 +196,9 @@ def _taint(jaxpr, inputs: list) -> list:
     if eqn.primitive.name == "cond":  # Either branch may run.
       index, operands = ins[0], ins[1:]
       branches = [_taint(b.jaxpr, operands) for b in eqn.params["branches"]]
-      outs = [functools.reduce(lambda a, b: a | b, o, index)
-              for o in zip(*branches)]
+      outs = [
+        functools.reduce(lambda a, b: a | b, o, index) for o in zip(*branches)
+      ]
     elif inner is not None and len(inner.invars) == len(ins):
       outs = _taint(inner, ins)
     else:
@@ -206,8 +226,7 @@ def _slice(closed, outs: list):
       if eqn is None:
         continue
     kept.append(eqn)
-    needed.update(v for v in eqn.invars
-                  if not isinstance(v, jax_core.Literal))
+    needed.update(v for v in eqn.invars if not isinstance(v, jax_core.Literal))
   return (closed, kept[::-1]), needed
 
 
@@ -215,16 +234,21 @@ def _as_fun(sub, ins: list, outs: list):
   """A function computing ``outs`` from ``ins`` with ``sub``'s equations."""
   closed, eqns = sub
   jaxpr = closed.jaxpr.replace(
-      invars=list(ins), outvars=list(outs), eqns=eqns,
-      effects=frozenset().union(*(e.effects for e in eqns)), debug_info=_debug_info(closed.jaxpr, ins,
-                                                        outs))
+    invars=list(ins),
+    outvars=list(outs),
+    eqns=eqns,
+    effects=frozenset().union(*(e.effects for e in eqns)),
+    debug_info=_debug_info(closed.jaxpr, ins, outs),
+  )
   return jax_core.jaxpr_as_fun(jax_core.ClosedJaxpr(jaxpr, closed.consts))
 
 
-def _debug_info(jaxpr, ins, outs) -> Optional[Any]:
+def _debug_info(jaxpr, ins, outs) -> Any | None:
   info = jaxpr.debug_info
   if info is None or not hasattr(info, "_replace"):
     return info
   names = dict(zip(jaxpr.invars, info.arg_names or ()))
-  return info._replace(arg_names=tuple(names.get(v, "") for v in ins),
-                       result_paths=tuple("" for _ in outs))
+  return info._replace(
+    arg_names=tuple(names.get(v, "") for v in ins),
+    result_paths=tuple("" for _ in outs),
+  )

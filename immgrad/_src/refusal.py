@@ -7,7 +7,7 @@ for the innermost one that has none, and names it with the optax factory
 that made it.
 """
 
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -15,14 +15,14 @@ import optax
 
 from immgrad._src import plan as plan_lib
 
-
 _NOT_SEPARABLE = (
-    "immgrad.shim({name}): this transformation does not act on each "
-    "parameter separately ({why}). Immediate layers step each layer as soon "
-    "as its gradient exists, before the other gradients do, so a rule that "
-    "needs the whole gradient tree (clip_by_global_norm, MultiSteps, "
-    "apply_if_finite, ...) cannot run there. Use a per-parameter rule "
-    "instead, e.g. optax.clip or optax.clip_by_block_rms for clipping.")
+  "immgrad.shim({name}): this transformation does not act on each "
+  "parameter separately ({why}). Immediate layers step each layer as soon "
+  "as its gradient exists, before the other gradients do, so a rule that "
+  "needs the whole gradient tree (clip_by_global_norm, MultiSteps, "
+  "apply_if_finite, ...) cannot run there. Use a per-parameter rule "
+  "instead, e.g. optax.clip or optax.clip_by_block_rms for clipping."
+)
 
 _GENERIC = ("", "init_empty_state", "with_extra_args_support")
 
@@ -56,12 +56,15 @@ def _closure(fn) -> list:
   return values
 
 
-_PROBE = {"a": jax.ShapeDtypeStruct((4, 3), jnp.float32),
-          "b": jax.ShapeDtypeStruct((5,), jnp.float32)}
+_PROBE = {
+  "a": jax.ShapeDtypeStruct((4, 3), jnp.float32),
+  "b": jax.ShapeDtypeStruct((5,), jnp.float32),
+}
 
 
-def _why_not_separable(tx: optax.GradientTransformation,
-                       params: Any) -> Optional[str]:
+def _why_not_separable(
+  tx: optax.GradientTransformation, params: Any
+) -> str | None:
   """Why ``tx`` has no per-parameter cut for ``params``, or None.
 
   Structural, not numerical (``plan.py`` follows the data flow): a
@@ -92,10 +95,16 @@ def _parts(tx: optax.GradientTransformation) -> list:
   parts' init and update functions in two tuples, wrappers keep the inner
   transformation itself.
   """
-  found = [v for v in _closure(tx.init) + _closure(tx.update)
-           if isinstance(v, optax.GradientTransformation) and v is not tx]
-  tuples = [v for v in _closure(tx.init) + _closure(tx.update)
-            if type(v) is tuple and v and all(map(callable, v))]  # pylint: disable=unidiomatic-typecheck
+  found = [
+    v
+    for v in _closure(tx.init) + _closure(tx.update)
+    if isinstance(v, optax.GradientTransformation) and v is not tx
+  ]
+  tuples = [
+    v
+    for v in _closure(tx.init) + _closure(tx.update)
+    if type(v) is tuple and v and all(map(callable, v))
+  ]  # pylint: disable=unidiomatic-typecheck
   if len(tuples) == 2 and len(tuples[0]) == len(tuples[1]):
     found += [optax.GradientTransformation(i, u) for i, u in zip(*tuples)]
   return found
@@ -110,8 +119,9 @@ def _check_separable(tx: optax.GradientTransformation, params: Any) -> None:
   parts = _parts(tx)
   while parts:
     for part in parts:
-      part_why = (_why_not_separable(part, params)
-                  if _applies_to(part, params) else None)
+      part_why = (
+        _why_not_separable(part, params) if _applies_to(part, params) else None
+      )
       if part_why is not None:
         culprit, why, parts = _name(part), part_why, _parts(part)
         break
@@ -140,9 +150,9 @@ def cut(tx: optax.GradientTransformation, params: Any) -> plan_lib.Plan:
     if culprit != name:
       name = f"{name}: {culprit}"
     raise ValueError(
-        f"immgrad.shim({name}): the optimizer fails on these params: "
-        f"{type(e).__name__}: {e}. An option shaped like the params (a mask, "
-        "multi_transform labels) must have the params' tree structure."
+      f"immgrad.shim({name}): the optimizer fails on these params: "
+      f"{type(e).__name__}: {e}. An option shaped like the params (a mask, "
+      "multi_transform labels) must have the params' tree structure."
     ) from e
 
 

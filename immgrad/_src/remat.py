@@ -20,8 +20,15 @@ from immgrad._src import compat
 from immgrad._src import context
 
 
-def checkpoint(fun: Callable, *, prevent_cse=True, policy=None,
-               static_argnums=(), static_argnames=(), **kwargs) -> Callable:
+def checkpoint(
+  fun: Callable,
+  *,
+  prevent_cse=True,
+  policy=None,
+  static_argnums=(),
+  static_argnames=(),
+  **kwargs,
+) -> Callable:
   """``jax.checkpoint`` for functions that call immediate layers.
 
   Pass the parameters the function's immediate layers use as arguments
@@ -57,8 +64,9 @@ def checkpoint(fun: Callable, *, prevent_cse=True, policy=None,
   @functools.wraps(fun)
   def wrapped(*args, **call_kwargs):
     def plain():
-      return jax.checkpoint(fun, static_argnums=static_argnums, **names,
-                            **options)(*args, **call_kwargs)
+      return jax.checkpoint(
+        fun, static_argnums=static_argnums, **names, **options
+      )(*args, **call_kwargs)
 
     step = context.current()
     if step is None:
@@ -78,10 +86,20 @@ def checkpoint(fun: Callable, *, prevent_cse=True, policy=None,
       nested.flag = flag
       views = jax.tree.leaves((args, call_kwargs))
       for (i, slot), (weight, state, probe) in zip(found, channels):
-        nested.add(context.Slot(
-            path=slot.path, view=views[i], weight=weight, state=state,
-            probe=probe, program=slot.program, index=slot.index,
-            depth=slot.depth, parent=slot, origin=origin))
+        nested.add(
+          context.Slot(
+            path=slot.path,
+            view=views[i],
+            weight=weight,
+            state=state,
+            probe=probe,
+            program=slot.program,
+            index=slot.index,
+            depth=slot.depth,
+            parent=slot,
+            origin=origin,
+          )
+        )
       with context.opened(nested):
         return fun(*args, **call_kwargs, **static)
 
@@ -89,6 +107,7 @@ def checkpoint(fun: Callable, *, prevent_cse=True, policy=None,
     shifted = tuple((i % len(args)) + 2 for i in static_argnums)
     channels = [(slot.weight, slot.state, slot.probe) for _, slot in found]
     return jax.checkpoint(inner, static_argnums=shifted, **options)(
-        channels, step.flag, *args, **call_kwargs)
+      channels, step.flag, *args, **call_kwargs
+    )
 
   return wrapped

@@ -21,15 +21,16 @@ those stays. That uses ``jax.core.Tracer``'s private ``_trace``; if a JAX
 release drops it, the check stands aside and the core's message remains.
 """
 
-from typing import Any, Optional
+from typing import Any
 
 import jax
 
 from immgrad._src import context
 
 
-def check_overrides(adapter: str, module: Any, base: type,
-                    base_name: str) -> None:
+def check_overrides(
+  adapter: str, module: Any, base: type, base_name: str
+) -> None:
   """Raises if ``type(module)`` overrides a method of ``base``.
 
   Dataclass fields (options the adapter reads from the module) and dunder
@@ -38,23 +39,30 @@ def check_overrides(adapter: str, module: Any, base: type,
   """
   cls = type(module)
   fields = getattr(cls, "__dataclass_fields__", {})
-  for klass in cls.__mro__[:cls.__mro__.index(base)]:
+  for klass in cls.__mro__[: cls.__mro__.index(base)]:
     for name, value in vars(klass).items():
-      if (name.startswith("__") or name in fields or
-          not hasattr(base, name) or not (
-              callable(value) or
-              isinstance(value, (property, classmethod, staticmethod)))):
+      if (
+        name.startswith("__")
+        or name in fields
+        or not hasattr(base, name)
+        or not (
+          callable(value)
+          or isinstance(value, (property, classmethod, staticmethod))
+        )
+      ):
         continue
       where = "" if klass is cls else f" (in {klass.__name__})"
       raise ValueError(
-          f"{adapter}: {base_name} subclass {cls.__name__} overrides "
-          f"{name}(){where}, which {base_name}'s call relies on; immgrad computes {base_name}'s own arithmetic and would skip "
-          f"yours, training a different model. Leave {base_name} out of "
-          f"`modules=` so that {cls.__name__} trains ordinarily.")
+        f"{adapter}: {base_name} subclass {cls.__name__} overrides "
+        f"{name}(){where}, which {base_name}'s call relies on; immgrad computes {base_name}'s own arithmetic and would skip "
+        f"yours, training a different model. Leave {base_name} out of "
+        f"`modules=` so that {cls.__name__} trains ordinarily."
+      )
 
 
-def check_parameters(adapter: str, culprit: str, base_name: str,
-                     params: Any, suspects: str) -> None:
+def check_parameters(
+  adapter: str, culprit: str, base_name: str, params: Any, suspects: str
+) -> None:
   """Raises if a leaf of ``params`` was computed from the step's params.
 
   Args:
@@ -78,14 +86,15 @@ def check_parameters(adapter: str, culprit: str, base_name: str,
       continue
     name = jax.tree_util.keystr(keypath, simple=True, separator="/")
     raise ValueError(
-        f"{adapter}: {culprit} reads its parameter {name!r} as an array "
-        f"computed from the params, not as the params tree's own array "
-        f"({suspects}). A step would update the raw weights with the "
-        f"gradient of the computed ones, training a different model. Leave "
-        f"{base_name} out of `modules=` so that it trains ordinarily.")
+      f"{adapter}: {culprit} reads its parameter {name!r} as an array "
+      f"computed from the params, not as the params tree's own array "
+      f"({suspects}). A step would update the raw weights with the "
+      f"gradient of the computed ones, training a different model. Leave "
+      f"{base_name} out of `modules=` so that it trains ordinarily."
+    )
 
 
-def _trace_of(x) -> Optional[Any]:
+def _trace_of(x) -> Any | None:
   """The JAX trace ``x`` belongs to, or None (not a tracer)."""
   if not isinstance(x, jax.core.Tracer):
     return None

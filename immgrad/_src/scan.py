@@ -27,12 +27,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from immgrad._src import context
-from immgrad._src import scan_vjp
 from immgrad._src import plan as plan_lib
+from immgrad._src import scan_vjp
 from immgrad._src import stacked as stacked_lib
 
-def scan(f: Callable, init: Any, xs: Any = None, length=None,
-         reverse: bool = False, unroll=1, _split_transpose: bool = False):
+
+def scan(
+  f: Callable,
+  init: Any,
+  xs: Any = None,
+  length=None,
+  reverse: bool = False,
+  unroll=1,
+  _split_transpose: bool = False,
+):
   """``jax.lax.scan`` for bodies that call immediate layers on slices of xs.
 
   Pass stacked parameters (leading axis: the layer) in ``xs``, unchanged
@@ -61,9 +69,17 @@ def scan(f: Callable, init: Any, xs: Any = None, length=None,
     >>> params["blocks"]["w"].shape
     (4, 3, 3)
   """
+
   def plain():
-    return jax.lax.scan(f, init, xs, length=length, reverse=reverse,
-                        unroll=unroll, _split_transpose=_split_transpose)
+    return jax.lax.scan(
+      f,
+      init,
+      xs,
+      length=length,
+      reverse=reverse,
+      unroll=unroll,
+      _split_transpose=_split_transpose,
+    )
 
   step = context.current()
   if step is None:
@@ -78,18 +94,23 @@ def scan(f: Callable, init: Any, xs: Any = None, length=None,
   for i, slot in stacked:
     if not jnp.ndim(leaves[i]):
       raise ValueError(
-          f"immgrad.scan: parameter {slot.path} in xs is a scalar; stacked "
-          "parameters need a leading layer axis.")
-    layer = plan_lib.layer_program(step.tx, step.params, slot.index,
-                                   slot.depth + 1)
-    split = stacked_lib.state_axes(slot.program, layer, slot.state,
-                                   step.shared, slot.path)
+        f"immgrad.scan: parameter {slot.path} in xs is a scalar; stacked "
+        "parameters need a leading layer axis."
+      )
+    layer = plan_lib.layer_program(
+      step.tx, step.params, slot.index, slot.depth + 1
+    )
+    split = stacked_lib.state_axes(
+      slot.program, layer, slot.state, step.shared, slot.path
+    )
     layers = jnp.shape(leaves[i])[0]
     # A shared leaf is repeated per layer: closed over instead, a value
     # that is not differentiated would stay in the body's closure, outside
     # any trace that rematerialisation replays.
-    state = [a if axis == 0 else jnp.broadcast_to(a, (layers,) + a.shape)
-             for a, axis in zip(slot.state, split)]
+    state = [
+      a if axis == 0 else jnp.broadcast_to(a, (layers,) + a.shape)
+      for a, axis in zip(slot.state, split)
+    ]
     probe = [slot.probe] if step.measure_dx else []
     channels.append([slot.weight] + probe + state)
     programs.append(layer)
@@ -98,18 +119,27 @@ def scan(f: Callable, init: Any, xs: Any = None, length=None,
   inner_slots = []  # One per stacked parameter, made when the body is traced.
 
   def body(carry, scanned):
-    x = scanned[:len(leaves)]
+    x = scanned[: len(leaves)]
     inner = step.nested()
     inner_slots.clear()
-    for (i, slot), start, c, program in zip(stacked, starts, channels,
-                                            programs):
-      weight, *state = scanned[start:start + len(c)]
+    for (i, slot), start, c, program in zip(
+      stacked, starts, channels, programs
+    ):
+      weight, *state = scanned[start : start + len(c)]
       probe = state.pop(0) if step.measure_dx else None
       inner_slot = context.Slot(
-          path=f"{slot.path} (one layer of immgrad.scan)", view=None,
-          weight=weight, state=list(state), probe=probe, program=program,
-          index=slot.index, depth=slot.depth + 1, parent=slot,
-          origin=origin, sliced=True)
+        path=f"{slot.path} (one layer of immgrad.scan)",
+        view=None,
+        weight=weight,
+        state=list(state),
+        probe=probe,
+        program=program,
+        index=slot.index,
+        depth=slot.depth + 1,
+        parent=slot,
+        origin=origin,
+        sliced=True,
+      )
       x[i] = inner_slot.watch(x[i])
       inner.add(inner_slot)
       inner_slots.append(inner_slot)
@@ -128,6 +158,12 @@ def scan(f: Callable, init: Any, xs: Any = None, length=None,
       return inner_slots[weights[j]].layer is not None
     return j < len(leaves)  # The user's xs; state is not differentiated.
 
-  return scan_vjp.scan(body, init, leaves + sum(channels, []), length=length,
-                       reverse=reverse, unroll=unroll,
-                       needs_cotangent=needs_cotangent)
+  return scan_vjp.scan(
+    body,
+    init,
+    leaves + sum(channels, []),
+    length=length,
+    reverse=reverse,
+    unroll=unroll,
+    needs_cotangent=needs_cotangent,
+  )

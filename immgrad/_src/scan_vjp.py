@@ -22,13 +22,21 @@ plain training for a 16x1024 stack with adam.
 from typing import Any, Callable
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 
-def scan(body: Callable, init: Any, xs: list, *, length, reverse: bool,
-         unroll, needs_cotangent: Callable[[int], bool]):
+def scan(
+  body: Callable,
+  init: Any,
+  xs: list,
+  *,
+  length,
+  reverse: bool,
+  unroll,
+  needs_cotangent: Callable[[int], bool],
+):
   """``lax.scan(body, init, xs)``, differentiable with less memory.
 
   Args:
@@ -36,7 +44,9 @@ def scan(body: Callable, init: Any, xs: list, *, length, reverse: bool,
       ``xs``.
     init: the initial carry.
     xs: a list of arrays with a leading axis of ``length``.
-    length, reverse, unroll: as in ``lax.scan``.
+    length: as in ``lax.scan``.
+    reverse: as in ``lax.scan``.
+    unroll: as in ``lax.scan``.
     needs_cotangent: called once the backward body has been traced, for
       each position of ``xs``: whether its cotangent may be nonzero (False:
       a symbolic zero is returned).
@@ -52,13 +62,20 @@ def scan(body: Callable, init: Any, xs: list, *, length, reverse: bool,
   traced = {}  # What the forward body's trace tells the backward one.
 
   def run(consts, init, xs):
-    return lax.scan(lambda c, x: closed(c, x, *consts), init, xs,
-                    length=length, reverse=reverse, unroll=unroll)
+    return lax.scan(
+      lambda c, x: closed(c, x, *consts),
+      init,
+      xs,
+      length=length,
+      reverse=reverse,
+      unroll=unroll,
+    )
 
   def fwd(consts, init, xs):
     perturbed = [p.perturbed for p in consts]
-    consts, init, xs = jax.tree.map(lambda p: p.value, (consts, init, xs),
-                                    is_leaf=_is_primal)
+    consts, init, xs = jax.tree.map(
+      lambda p: p.value, (consts, init, xs), is_leaf=_is_primal
+    )
 
     def forward(carry, x):
       out, vjp = jax.vjp(lambda c, x, k: closed(c, x, *k), carry, x, consts)
@@ -71,12 +88,14 @@ def scan(body: Callable, init: Any, xs: list, *, length, reverse: bool,
           sources[id(leaf)] = ("saved", len(saved))
           saved.append(leaf)
         spec.append(sources[id(leaf)])
-      traced.update(spec=spec, treedef=treedef,
-                    out=jax.tree.map(jax.typeof, out))
+      traced.update(
+        spec=spec, treedef=treedef, out=jax.tree.map(jax.typeof, out)
+      )
       return out[0], (out[1], saved)
 
-    carry, (ys, saved) = lax.scan(forward, init, xs, length=length,
-                                  reverse=reverse, unroll=unroll)
+    carry, (ys, saved) = lax.scan(
+      forward, init, xs, length=length, reverse=reverse, unroll=unroll
+    )
     return (carry, ys), (consts, xs, saved, perturbed)
 
   def bwd(residuals, cts):
@@ -87,36 +106,55 @@ def scan(body: Callable, init: Any, xs: list, *, length, reverse: bool,
     n_carry = len(jax.tree.leaves(traced["out"][0]))
     # Only float outputs with a nonzero cotangent enter the loop; the carry's
     # cotangent is dense from the first iteration on.
-    live_ys = [k for k in range(n_carry, len(cts))
-               if _is_float(out_avals[k]) and not _is_zero(cts[k])]
+    live_ys = [
+      k
+      for k in range(n_carry, len(cts))
+      if _is_float(out_avals[k]) and not _is_zero(cts[k])
+    ]
     floats = [k for k in range(n_carry) if _is_float(out_avals[k])]
-    summed = [i for i, (k, p) in enumerate(zip(consts, perturbed))
-              if p and _is_float(k)]
+    summed = [
+      i for i, (k, p) in enumerate(zip(consts, perturbed)) if p and _is_float(k)
+    ]
     stacked = []  # Positions of xs whose cotangents the loop stacks.
 
     def backward(carry, scanned_in):
       ct_carry, ct_consts = carry
       x, saved_i, ct_ys = scanned_in
-      vjp = jax.tree.unflatten(treedef, [
-          x[j] if kind == "x" else consts[j] if kind == "const"
-          else saved_i[j] for kind, j in spec])
+      vjp = jax.tree.unflatten(
+        treedef,
+        [
+          x[j] if kind == "x" else consts[j] if kind == "const" else saved_i[j]
+          for kind, j in spec
+        ],
+      )
       ct_out = [_zeros(a) for a in out_avals]
       for k, c in zip(floats + live_ys, ct_carry + ct_ys):
         ct_out[k] = c
       d_carry, d_x, d_consts = vjp(jax.tree.unflatten(out_tree, ct_out))
       d_carry = jax.tree.leaves(d_carry)
       ct_consts = [a + d_consts[j] for a, j in zip(ct_consts, summed)]
-      stacked[:] = [j for j in range(len(xs))
-                    if _is_float(xs[j]) and needs_cotangent(j)]
-      return (([d_carry[k] for k in floats], ct_consts),
-              [d_x[j] for j in stacked])
+      stacked[:] = [
+        j for j in range(len(xs)) if _is_float(xs[j]) and needs_cotangent(j)
+      ]
+      return (
+        ([d_carry[k] for k in floats], ct_consts),
+        [d_x[j] for j in stacked],
+      )
 
-    start = ([cts[k] if not _is_zero(cts[k]) else _zeros(out_avals[k])
-              for k in floats],
-             [jnp.zeros_like(consts[i]) for i in summed])
+    start = (
+      [
+        cts[k] if not _is_zero(cts[k]) else _zeros(out_avals[k]) for k in floats
+      ],
+      [jnp.zeros_like(consts[i]) for i in summed],
+    )
     (d_carry, d_consts), d_xs = lax.scan(
-        backward, start, (xs, saved, [cts[k] for k in live_ys]),
-        length=length, reverse=not reverse, unroll=unroll)
+      backward,
+      start,
+      (xs, saved, [cts[k] for k in live_ys]),
+      length=length,
+      reverse=not reverse,
+      unroll=unroll,
+    )
 
     out_consts = [None] * len(consts)
     for i, d in zip(summed, d_consts):

@@ -33,9 +33,9 @@ from typing import Any
 
 import chex
 import jax
+from jax import lax
 import jax.numpy as jnp
 import optax
-from jax import lax
 
 from immgrad._src import commit as commit_lib
 from immgrad._src import plan as plan_lib
@@ -51,13 +51,15 @@ def _check_params(params: Any) -> None:
     dtype = jnp.result_type(leaf)
     if not jnp.issubdtype(dtype, jnp.floating):
       raise TypeError(
-          f"immgrad.shim: parameter {jax.tree_util.keystr(path)} has dtype "
-          f"{dtype}; parameters must be real floating point arrays (keep "
-          "integer or complex values out of the params tree).")
+        f"immgrad.shim: parameter {jax.tree_util.keystr(path)} has dtype "
+        f"{dtype}; parameters must be real floating point arrays (keep "
+        "integer or complex values out of the params tree)."
+      )
 
 
-def shim(tx: optax.GradientTransformation, *,
-         atomic: bool = True) -> ShimTransformation:
+def shim(
+  tx: optax.GradientTransformation, *, atomic: bool = True
+) -> ShimTransformation:
   """The optimizer to use with immediate layers, in place of ``tx``.
 
   ``init(params)`` is ``tx.init(params)`` (as a :class:`ShimState`).
@@ -124,20 +126,21 @@ def shim(tx: optax.GradientTransformation, *,
   """
   if not isinstance(tx, optax.GradientTransformation):
     raise TypeError(
-        f"immgrad.shim expects an optax.GradientTransformation, got {tx!r}.")
+      f"immgrad.shim expects an optax.GradientTransformation, got {tx!r}."
+    )
   refusal.check(tx)
 
   def init_fn(params):
     _check_params(params)
     refusal.cut(tx, params)
-    return ShimState(inner=tx.init(params),
-                     rejected=jnp.zeros((), jnp.int32))
+    return ShimState(inner=tx.init(params), rejected=jnp.zeros((), jnp.int32))
 
   def update_fn(grads, state, params=None):
     if params is None:
       raise ValueError(
-          "immgrad.shim: update needs params: call "
-          "tx.update(grads, opt_state, params).")
+        "immgrad.shim: update needs params: call "
+        "tx.update(grads, opt_state, params)."
+      )
     keyed, treedef = jax.tree_util.tree_flatten_with_path(params)
     paths = [jax.tree_util.keystr(path) for path, _ in keyed]
     leaves = [leaf for _, leaf in keyed]
@@ -151,47 +154,54 @@ def shim(tx: optax.GradientTransformation, *,
     def commit(i, g, s, p):
       program = plan.leaves[i]
       if isinstance(g, ImmediateGrad):
-        levels = commit_lib.layers(tx, params, i, g.layer_axes, s,
-                                   plan.shared_positions, paths[i])
+        levels = commit_lib.layers(
+          tx, params, i, g.layer_axes, s, plan.shared_positions, paths[i]
+        )
         new, s = commit_lib.step_layers(levels, g.grad, s, p)
         return commit_lib.landing(new, p), list(s)
       if isinstance(g, Stepped):
         kept = [old[k] for k in program.writes]
         return commit_lib.landing(g.params, p), (
-            kept if g.state is None else list(g.state))
+          kept if g.state is None else list(g.state)
+        )
       update, s = program(g, p, s)
       return update, list(s)
 
     def keep(i, g, s, p):
       del g, s
-      return (jnp.full_like(p, -0.0),
-              [old[k] for k in plan.leaves[i].writes])
+      return (jnp.full_like(p, -0.0), [old[k] for k in plan.leaves[i].writes])
 
     def commit_if(ok, i, g, s, p):
       if isinstance(g, ImmediateGrad) and g.layer_axes:
-        levels = commit_lib.layers(tx, params, i, g.layer_axes, s,
-                                   plan.shared_positions, paths[i])
+        levels = commit_lib.layers(
+          tx, params, i, g.layer_axes, s, plan.shared_positions, paths[i]
+        )
         return commit_lib.commit_layers(
-            levels, g.grad, s, [old[k] for k in plan.leaves[i].writes], p,
-            ok)
+          levels, g.grad, s, [old[k] for k in plan.leaves[i].writes], p, ok
+        )
       # One cond per parameter: each update's buffer lives only until it is
       # applied, where one cond for all would hold every update at once.
-      return lax.cond(ok, functools.partial(commit, i),
-                      functools.partial(keep, i), g, s, p)
+      return lax.cond(
+        ok, functools.partial(commit, i), functools.partial(keep, i), g, s, p
+      )
 
     shared_old = [old[k] for k in plan.shared_positions]
     shared = list(plan.shared(*shared_old))
     rejected = state.rejected
     if atomic:
       ok = _finite(tx, params, plan, paths, grads, parts, leaves, shared)
-      committed = [commit_if(ok, i, *args) for i, args in
-                   enumerate(zip(grads, parts, leaves))]
-      shared = lax.cond(ok, lambda new, _: new, lambda _, kept: kept, shared,
-                        shared_old)
+      committed = [
+        commit_if(ok, i, *args)
+        for i, args in enumerate(zip(grads, parts, leaves))
+      ]
+      shared = lax.cond(
+        ok, lambda new, _: new, lambda _, kept: kept, shared, shared_old
+      )
       rejected = rejected + jnp.where(ok, 0, 1).astype(rejected.dtype)
     else:
-      committed = [commit(i, *args) for i, args in
-                   enumerate(zip(grads, parts, leaves))]
+      committed = [
+        commit(i, *args) for i, args in enumerate(zip(grads, parts, leaves))
+      ]
     new = list(old)
     for program, (_, writes) in zip(plan.leaves, committed):
       for k, value in zip(program.writes, writes):
@@ -199,9 +209,10 @@ def shim(tx: optax.GradientTransformation, *,
     for k, value in zip(plan.shared_positions, shared):
       new[k] = value
     updates = [update for update, _ in committed]
-    return (treedef.unflatten(updates),
-            ShimState(inner=plan.state_def.unflatten(new),
-                      rejected=rejected))
+    return (
+      treedef.unflatten(updates),
+      ShimState(inner=plan.state_def.unflatten(new), rejected=rejected),
+    )
 
   result = ShimTransformation(init_fn, update_fn)
   result._inner = tx  # pylint: disable=protected-access
@@ -209,8 +220,9 @@ def shim(tx: optax.GradientTransformation, *,
   return result
 
 
-def _finite(tx, params, plan, paths, grads, parts, leaves,
-            shared) -> chex.Array:
+def _finite(
+  tx, params, plan, paths, grads, parts, leaves, shared
+) -> chex.Array:
   """Whether every gradient, new weight and new state of the step is finite.
 
   An immediate parameter's layer checked its own step in the backward pass;
@@ -221,8 +233,9 @@ def _finite(tx, params, plan, paths, grads, parts, leaves,
     if isinstance(g, ImmediateGrad) and g.nonfinite is not None:
       nonfinite.append(g.nonfinite)
     elif isinstance(g, ImmediateGrad):
-      levels = commit_lib.layers(tx, params, i, g.layer_axes, s,
-                                 plan.shared_positions, paths[i])
+      levels = commit_lib.layers(
+        tx, params, i, g.layer_axes, s, plan.shared_positions, paths[i]
+      )
       checks.append((g.grad, commit_lib.step_layers(levels, g.grad, s, p)))
     elif isinstance(g, Stepped):
       checks.append(g)
@@ -249,19 +262,21 @@ def _check_like(path: str, value, param) -> None:
   want = (jnp.shape(param), jnp.result_type(param))
   if got != want:
     raise ValueError(
-        f"immgrad.shim: the gradient or new value for parameter "
-        f"{path} is {got[1]}{list(got[0])}, but the "
-        f"parameter is {want[1]}{list(want[0])}. Did the params change "
-        "shape between value_and_grad and update?")
+      f"immgrad.shim: the gradient or new value for parameter "
+      f"{path} is {got[1]}{list(got[0])}, but the "
+      f"parameter is {want[1]}{list(want[0])}. Did the params change "
+      "shape between value_and_grad and update?"
+    )
 
 
 def state_of(state: Any) -> Any:
   """``state.inner``, or a clear error if ``state`` is not a ShimState."""
   if not isinstance(state, ShimState):
     raise TypeError(
-        f"immgrad: expected the optimizer state from immgrad.shim(tx).init, "
-        f"got {type(state).__name__}. Initialise it with the shim, not with "
-        "the inner optax transformation.")
+      f"immgrad: expected the optimizer state from immgrad.shim(tx).init, "
+      f"got {type(state).__name__}. Initialise it with the shim, not with "
+      "the inner optax transformation."
+    )
   return state.inner
 
 
@@ -283,7 +298,8 @@ def shim_state_from_optax(opt_state: Any) -> ShimState:
   """
   if isinstance(opt_state, ShimState):
     raise TypeError(
-        "immgrad.shim_state_from_optax: opt_state is already a ShimState.")
+      "immgrad.shim_state_from_optax: opt_state is already a ShimState."
+    )
   return ShimState(inner=opt_state, rejected=jnp.zeros((), jnp.int32))
 
 
@@ -301,22 +317,24 @@ def state_leaves(plan: plan_lib.Plan, state: Any) -> list:
   inner = state_of(state)
   keyed, treedef = jax.tree_util.tree_flatten_with_path(inner)
   if treedef != plan.state_def:
-    why = (f"its tree is {treedef}, where tx.init makes "
-           f"{plan.state_def}")
+    why = f"its tree is {treedef}, where tx.init makes {plan.state_def}"
   else:
     why = None
     for (path, leaf), want in zip(keyed, plan.state_avals):
       got = (jnp.shape(leaf), jnp.result_type(leaf))
       if got != (want.shape, want.dtype):
-        why = (f"its leaf {jax.tree_util.keystr(path)} is "
-               f"{got[1]}{list(got[0])}, where tx.init makes "
-               f"{want.dtype}{list(want.shape)}")
+        why = (
+          f"its leaf {jax.tree_util.keystr(path)} is "
+          f"{got[1]}{list(got[0])}, where tx.init makes "
+          f"{want.dtype}{list(want.shape)}"
+        )
         break
   if why is not None:
     raise ValueError(
-        f"immgrad: opt_state does not match what tx.init makes for these "
-        f"params: {why}. Was opt_state made by this immgrad.shim for these "
-        "params (same model, same optimizer)?")
+      f"immgrad: opt_state does not match what tx.init makes for these "
+      f"params: {why}. Was opt_state made by this immgrad.shim for these "
+      "params (same model, same optimizer)?"
+    )
   return [leaf for _, leaf in keyed]
 
 
@@ -326,5 +344,6 @@ def flatten_like(treedef, tree: Any, what: str) -> list:
     return treedef.flatten_up_to(tree)
   except (ValueError, TypeError) as e:
     raise ValueError(
-        f"immgrad: {what} does not match the params tree ({e}). Was it made "
-        "for these params (same model, same immgrad.shim)?") from e
+      f"immgrad: {what} does not match the params tree ({e}). Was it made "
+      "for these params (same model, same immgrad.shim)?"
+    ) from e

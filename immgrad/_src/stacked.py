@@ -18,7 +18,7 @@ such as ``immgrad.clip_by_layer_norm`` sees one layer, as for unrolled
 layers).
 """
 
-from typing import Optional, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -26,29 +26,36 @@ import jax.numpy as jnp
 from immgrad._src import plan as plan_lib
 
 _UNSPLITTABLE = (
-    "immgrad.scan: the optimizer state of stacked parameter {path} has a "
-    "leaf of shape {big} (dtype {dtype}) where one layer's state has shape "
-    "{small}. Only state with a leading layer axis, or a value shared by "
-    "all parameters (such as the step count), can be split per layer. Use a "
-    "per-element optimizer (sgd, adam, lion, ...) for stacked layers, or "
-    "unroll them.")
+  "immgrad.scan: the optimizer state of stacked parameter {path} has a "
+  "leaf of shape {big} (dtype {dtype}) where one layer's state has shape "
+  "{small}. Only state with a leading layer axis, or a value shared by "
+  "all parameters (such as the step count), can be split per layer. Use a "
+  "per-element optimizer (sgd, adam, lion, ...) for stacked layers, or "
+  "unroll them."
+)
 
 _NOT_LIKE_ONE_LAYER = (
-    "immgrad.scan: the optimizer steps stacked parameter {path} from other "
-    "parts of its state than one layer of it ({why}): it treats the stack "
-    "as one tensor. Use a per-element optimizer (sgd, adam, lion, ...) for "
-    "stacked layers, or unroll them.")
+  "immgrad.scan: the optimizer steps stacked parameter {path} from other "
+  "parts of its state than one layer of it ({why}): it treats the stack "
+  "as one tensor. Use a per-element optimizer (sgd, adam, lion, ...) for "
+  "stacked layers, or unroll them."
+)
 
 _RANDOM = (
-    "immgrad.scan: the optimizer draws random numbers for stacked parameter "
-    "{path} from a key it shares with the other parameters: every layer "
-    "would draw the same noise. Unroll the layers, or add the noise "
-    "outside the optimizer.")
+  "immgrad.scan: the optimizer draws random numbers for stacked parameter "
+  "{path} from a key it shares with the other parameters: every layer "
+  "would draw the same noise. Unroll the layers, or add the noise "
+  "outside the optimizer."
+)
 
 
-def state_axes(whole: plan_lib.LeafProgram, layer: plan_lib.LeafProgram,
-               parts: Sequence[jax.Array], shared: Sequence[int],
-               path: str) -> list[Optional[int]]:
+def state_axes(
+  whole: plan_lib.LeafProgram,
+  layer: plan_lib.LeafProgram,
+  parts: Sequence[jax.Array],
+  shared: Sequence[int],
+  path: str,
+) -> list[int | None]:
   """How the state parts ``whole`` reads split into ``layer``'s, per layer.
 
   Args:
@@ -76,22 +83,32 @@ def state_axes(whole: plan_lib.LeafProgram, layer: plan_lib.LeafProgram,
       if _is_key(big):
         raise ValueError(_RANDOM.format(path=path))
       split.append(None)
-    elif (big_shape[1:] == small_shape and big_shape and
-          layers in (None, big_shape[0])):
+    elif (
+      big_shape[1:] == small_shape
+      and big_shape
+      and layers in (None, big_shape[0])
+    ):
       layers = big_shape[0]
       split.append(0)
     else:
-      raise ValueError(_UNSPLITTABLE.format(
-          path=path, big=big_shape, small=small_shape,
-          dtype=jnp.result_type(big)))
+      raise ValueError(
+        _UNSPLITTABLE.format(
+          path=path,
+          big=big_shape,
+          small=small_shape,
+          dtype=jnp.result_type(big),
+        )
+      )
   for big, small in zip(whole.write_avals, layer.write_avals):
     if big.shape[1:] != small.shape or not big.shape:
-      raise ValueError(_UNSPLITTABLE.format(
-          path=path, big=big.shape, small=small.shape, dtype=big.dtype))
+      raise ValueError(
+        _UNSPLITTABLE.format(
+          path=path, big=big.shape, small=small.shape, dtype=big.dtype
+        )
+      )
   return split
 
 
 def _is_key(x) -> bool:
   dtype = jnp.result_type(x)
-  return (jnp.issubdtype(dtype, jax.dtypes.prng_key) or
-          dtype == jnp.uint32)
+  return jnp.issubdtype(dtype, jax.dtypes.prng_key) or dtype == jnp.uint32

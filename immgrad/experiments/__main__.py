@@ -28,12 +28,16 @@ from immgrad.experiments import tasks as tasks_lib
 from immgrad.experiments import train as train_lib
 
 # name -> (steps, batch size), default and --quick.
-SIZES = {"digits": ((600, 128), (150, 128)), "chars": ((500, 32), (120, 32)),
-         "deep_mlp": ((2000, 128), (500, 128)),
-         "deep_transformer": ((2000, 8), (500, 8)),
-         # lm: 16,384 bytes a step for small and base (32 x 512).
-         "lm_tiny": ((300, 16), (40, 16)), "lm_small": ((3000, 32), (750, 32)),
-         "lm_base": ((2000, 32), (500, 32))}
+SIZES = {
+  "digits": ((600, 128), (150, 128)),
+  "chars": ((500, 32), (120, 32)),
+  "deep_mlp": ((2000, 128), (500, 128)),
+  "deep_transformer": ((2000, 8), (500, 8)),
+  # lm: 16,384 bytes a step for small and base (32 x 512).
+  "lm_tiny": ((300, 16), (40, 16)),
+  "lm_small": ((3000, 32), (750, 32)),
+  "lm_base": ((2000, 32), (500, 32)),
+}
 CPU_DEVICES = 4  # Simulated, where the default backend is the CPU.
 DEFAULT_MODES = [0.0, 0.25, 0.5, 1.0, -0.5]
 DEFAULT_SEEDS = {False: [0, 1, 2], True: [0]}  # By --quick.
@@ -41,78 +45,142 @@ DEFAULT_SEEDS = {False: [0, 1, 2], True: [0]}  # By --quick.
 
 def parse(argv):
   p = argparse.ArgumentParser(
-      prog="python -m immgrad.experiments",
-      description="Train a task with plain backprop and with immgrad's "
-                  "immediate updates (mode current and updated), and compare "
-                  "them in steps and in wall time.")
+    prog="python -m immgrad.experiments",
+    description="Train a task with plain backprop and with immgrad's "
+    "immediate updates (mode current and updated), and compare "
+    "them in steps and in wall time.",
+  )
   p.add_argument("--task", choices=sorted(tasks_lib.TASKS), default="digits")
-  p.add_argument("--size", choices=["tiny", "small", "base"], default=None,
-                 help="lm task: the model (default tiny: CPU, seconds; "
-                      "small ~10.9M and base ~85M parameters, context 512)")
-  p.add_argument("--remat", action="store_true",
-                 help="lm task: recompute each block's activations in the "
-                      "backward pass (hk.remat): less memory, ~23%% more "
-                      "FLOPs, the same for every method")
-  p.add_argument("--optimizer", default=None,
-                 choices=["sgd", "momentum", "adam", "adamw"],
-                 help="default: adamw for lm (warm-up and cosine decay, "
-                      "weight decay on matrices), else adam")
-  p.add_argument("--lr", type=float, default=None,
-                 help="learning rate (default: the task's for the optimizer)")
+  p.add_argument(
+    "--size",
+    choices=["tiny", "small", "base"],
+    default=None,
+    help="lm task: the model (default tiny: CPU, seconds; "
+    "small ~10.9M and base ~85M parameters, context 512)",
+  )
+  p.add_argument(
+    "--remat",
+    action="store_true",
+    help="lm task: recompute each block's activations in the "
+    "backward pass (hk.remat): less memory, ~23%% more "
+    "FLOPs, the same for every method",
+  )
+  p.add_argument(
+    "--optimizer",
+    default=None,
+    choices=["sgd", "momentum", "adam", "adamw"],
+    help="default: adamw for lm (warm-up and cosine decay, "
+    "weight decay on matrices), else adam",
+  )
+  p.add_argument(
+    "--lr",
+    type=float,
+    default=None,
+    help="learning rate (default: the task's for the optimizer)",
+  )
   p.add_argument("--steps", type=int, default=None)
-  p.add_argument("--batch-size", type=int, default=None,
-                 help="global batch size, split over the devices")
-  p.add_argument("--devices", type=int, default=None,
-                 help="devices to train data parallel on (default: all "
-                      "local devices of the default backend; 4 simulated "
-                      "ones where it is the CPU)")
-  p.add_argument("--seeds", type=int, nargs="+", default=None,
-                 help="seeds to repeat the run with; mean and spread are "
-                      "reported (default: 0 1 2, or 0 with --quick)")
-  p.add_argument("--lr-sweep", action="store_true",
-                 help="also train at the learning rate times 2**k, k=-3..3 "
-                      "(or --lrs), and report each method's best and lowest "
-                      "diverging learning rate")
+  p.add_argument(
+    "--batch-size",
+    type=int,
+    default=None,
+    help="global batch size, split over the devices",
+  )
+  p.add_argument(
+    "--devices",
+    type=int,
+    default=None,
+    help="devices to train data parallel on (default: all "
+    "local devices of the default backend; 4 simulated "
+    "ones where it is the CPU)",
+  )
+  p.add_argument(
+    "--seeds",
+    type=int,
+    nargs="+",
+    default=None,
+    help="seeds to repeat the run with; mean and spread are "
+    "reported (default: 0 1 2, or 0 with --quick)",
+  )
+  p.add_argument(
+    "--lr-sweep",
+    action="store_true",
+    help="also train at the learning rate times 2**k, k=-3..3 "
+    "(or --lrs), and report each method's best and lowest "
+    "diverging learning rate",
+  )
   p.add_argument("--lrs", type=float, nargs="+", default=None)
-  p.add_argument("--mode-sweep", action="store_true",
-                 help="instead of current and updated, train immgrad at "
-                      "mode=a for each a of --modes (dX at W + a*(W_new - "
-                      "W); a=0 is current, a=1 updated), report each a's "
-                      "final loss over seeds, the best a, and whether any "
-                      "nonzero a beats a=0 beyond the seed spread; with "
-                      "--lr-sweep, every lr x a")
-  p.add_argument("--modes", type=float, nargs="+", default=None,
-                 help="the a of --mode-sweep (implies it; default 0 0.25 "
-                      "0.5 1 -0.5; 0 is always added: it is the reference)")
-  p.add_argument("--methods", nargs="+", default=None,
-                 help="train only these of the run's methods (plain, "
-                      "current, updated, or a=<a> of --modes), to split a "
-                      "study into runs that each fit the time at hand; "
-                      "--merge reports them together")
-  p.add_argument("--merge", nargs="+", default=None, metavar="RESULTS_JSON",
-                 help="train nothing: report the runs of these results.json "
-                      "files (same task and settings, each lr and seed with "
-                      "every method) as one run, into --out; --lr picks the "
-                      "main table's learning rate")
-  p.add_argument("--measure-dx", action="store_true",
-                 help="record, per immediate layer and step, |dX_updated - "
-                      "dX_current| / |dX_current| for every immgrad method "
-                      "(measure_dx=True; one more input-gradient product per "
-                      "layer, in the timed steps); writes dx_change.png")
-  p.add_argument("--target", type=float, default=None,
-                 help="target loss for steps/seconds to target (default: "
-                      "the highest final smoothed training loss of the "
-                      "methods, which all of them reach)")
+  p.add_argument(
+    "--mode-sweep",
+    action="store_true",
+    help="instead of current and updated, train immgrad at "
+    "mode=a for each a of --modes (dX at W + a*(W_new - "
+    "W); a=0 is current, a=1 updated), report each a's "
+    "final loss over seeds, the best a, and whether any "
+    "nonzero a beats a=0 beyond the seed spread; with "
+    "--lr-sweep, every lr x a",
+  )
+  p.add_argument(
+    "--modes",
+    type=float,
+    nargs="+",
+    default=None,
+    help="the a of --mode-sweep (implies it; default 0 0.25 "
+    "0.5 1 -0.5; 0 is always added: it is the reference)",
+  )
+  p.add_argument(
+    "--methods",
+    nargs="+",
+    default=None,
+    help="train only these of the run's methods (plain, "
+    "current, updated, or a=<a> of --modes), to split a "
+    "study into runs that each fit the time at hand; "
+    "--merge reports them together",
+  )
+  p.add_argument(
+    "--merge",
+    nargs="+",
+    default=None,
+    metavar="RESULTS_JSON",
+    help="train nothing: report the runs of these results.json "
+    "files (same task and settings, each lr and seed with "
+    "every method) as one run, into --out; --lr picks the "
+    "main table's learning rate",
+  )
+  p.add_argument(
+    "--measure-dx",
+    action="store_true",
+    help="record, per immediate layer and step, |dX_updated - "
+    "dX_current| / |dX_current| for every immgrad method "
+    "(measure_dx=True; one more input-gradient product per "
+    "layer, in the timed steps); writes dx_change.png",
+  )
+  p.add_argument(
+    "--target",
+    type=float,
+    default=None,
+    help="target loss for steps/seconds to target (default: "
+    "the highest final smoothed training loss of the "
+    "methods, which all of them reach)",
+  )
   p.add_argument("--eval-every", type=int, default=None)
-  p.add_argument("--text", default=None,
-                 help="chars, deep_transformer and lm: train on this text "
-                      "file instead of the "
-                      "Python standard library's source")
-  p.add_argument("--quick", action="store_true",
-                 help="a short run (about a quarter of the steps)")
-  p.add_argument("--out", default=None,
-                 help="output folder (default: a new folder named after the "
-                      "task and the time)")
+  p.add_argument(
+    "--text",
+    default=None,
+    help="chars, deep_transformer and lm: train on this text "
+    "file instead of the "
+    "Python standard library's source",
+  )
+  p.add_argument(
+    "--quick",
+    action="store_true",
+    help="a short run (about a quarter of the steps)",
+  )
+  p.add_argument(
+    "--out",
+    default=None,
+    help="output folder (default: a new folder named after the "
+    "task and the time)",
+  )
   p.add_argument("--no-progress", action="store_true")
   return p.parse_args(argv)
 
@@ -120,15 +188,17 @@ def parse(argv):
 def training_devices(requested=None) -> list:
   """The devices to train on: ``requested`` many, or by default all local
   devices of the default backend (``CPU_DEVICES`` simulated ones where that
-  is the CPU)."""
+  is the CPU).
+  """
   local = jax.local_devices()
   backend = jax.default_backend()
   n = requested or (CPU_DEVICES if backend == "cpu" else len(local))
   if len(local) < n:
     raise SystemExit(
-        f"immgrad.experiments: --devices {n}, but the {backend} backend has "
-        f"only {len(local)} local devices. Pass --devices {len(local)} (on "
-        "the CPU, more devices must be asked for before JAX starts).")
+      f"immgrad.experiments: --devices {n}, but the {backend} backend has "
+      f"only {len(local)} local devices. Pass --devices {len(local)} (on "
+      "the CPU, more devices must be asked for before JAX starts)."
+    )
   return local[:n]
 
 
@@ -139,7 +209,8 @@ def main(argv=None):
   else:
     run, info = _train(args)
   out = args.out or datetime.datetime.now().strftime(
-      f"immgrad-experiment-{info['name']}-%Y%m%d-%H%M%S")
+    f"immgrad-experiment-{info['name']}-%Y%m%d-%H%M%S"
+  )
   os.makedirs(out, exist_ok=True)
   return _report(args, run, info, out)
 
@@ -152,8 +223,9 @@ def _train(args):
     pass
   devices = training_devices(args.devices)
   if (args.size or args.remat) and args.task != "lm":
-    raise SystemExit("immgrad.experiments: --size and --remat are for --task "
-                     "lm only.")
+    raise SystemExit(
+      "immgrad.experiments: --size and --remat are for --task lm only."
+    )
   if args.task == "lm":
     task = tasks_lib.lm(args.text, args.size or "tiny", remat=args.remat)
   elif args.task in tasks_lib.TEXT_TASKS:
@@ -163,14 +235,17 @@ def _train(args):
   optimizer = args.optimizer or task.default_optimizer
   modes = None
   if args.mode_sweep or args.modes:
-    modes = list(dict.fromkeys([0.0] + [float(a) for a in
-                                        (args.modes or DEFAULT_MODES)]))
+    modes = list(
+      dict.fromkeys([0.0] + [float(a) for a in (args.modes or DEFAULT_MODES)])
+    )
   methods = train_lib.methods_of(modes)
   if args.methods:
     unknown = [m for m in args.methods if m not in methods]
     if unknown:
-      raise SystemExit(f"immgrad.experiments: --methods {unknown} are not "
-                       f"among this run's methods {list(methods)}.")
+      raise SystemExit(
+        f"immgrad.experiments: --methods {unknown} are not "
+        f"among this run's methods {list(methods)}."
+      )
     methods = {m: mode for m, mode in methods.items() if m in args.methods}
   steps, batch_size = SIZES[task.name][1 if args.quick else 0]
   steps = args.steps or steps
@@ -180,32 +255,55 @@ def _train(args):
   eval_every = args.eval_every or max(1, steps // 10)
   lrs = [lr]
   if args.lr_sweep:
-    lrs = sorted(set(args.lrs or [lr * 2.0 ** k for k in range(-3, 4)]) |
-                 {lr})
-  settings = dict(task=task.name, optimizer=optimizer, lr=lr,
-                  steps=steps, batch_size=batch_size, devices=len(devices),
-                  seeds=seeds, lrs=lrs, eval_every=eval_every,
-                  target=args.target, quick=args.quick, modes=modes,
-                  methods=list(methods), measure_dx=args.measure_dx,
-                  lr_sweep=args.lr_sweep)
+    lrs = sorted(set(args.lrs or [lr * 2.0**k for k in range(-3, 4)]) | {lr})
+  settings = dict(
+    task=task.name,
+    optimizer=optimizer,
+    lr=lr,
+    steps=steps,
+    batch_size=batch_size,
+    devices=len(devices),
+    seeds=seeds,
+    lrs=lrs,
+    eval_every=eval_every,
+    target=args.target,
+    quick=args.quick,
+    modes=modes,
+    methods=list(methods),
+    measure_dx=args.measure_dx,
+    lr_sweep=args.lr_sweep,
+  )
   settings["command"] = _command(args, settings)
   print(f"task: {task.description}", file=sys.stderr)
   print(f"settings: {settings}", file=sys.stderr)
   run = {}
   for run_lr in lrs:
     for seed in seeds:
-      bar = _progress(args, total=steps,
-                      desc=f"{task.name} lr={run_lr:g} seed={seed}")
+      bar = _progress(
+        args, total=steps, desc=f"{task.name} lr={run_lr:g} seed={seed}"
+      )
       run[run_lr, seed] = train_lib.train(
-          task, optimizer_name=optimizer, lr=run_lr, steps=steps,
-          batch_size=batch_size, seed=seed, eval_every=eval_every,
-          progress=bar, methods=methods, measure_dx=args.measure_dx,
-          devices=devices)
+        task,
+        optimizer_name=optimizer,
+        lr=run_lr,
+        steps=steps,
+        batch_size=batch_size,
+        seed=seed,
+        eval_every=eval_every,
+        progress=bar,
+        methods=methods,
+        measure_dx=args.measure_dx,
+        devices=devices,
+      )
       if bar is not None:
         bar.close()
-  info = dict(name=task.name, description=task.description,
-              loss_unit=task.loss_unit, settings=settings,
-              machine=report.machine())
+  info = dict(
+    name=task.name,
+    description=task.description,
+    loss_unit=task.loss_unit,
+    settings=settings,
+    machine=report.machine(),
+  )
   return run, info
 
 
@@ -218,16 +316,21 @@ def _command(args, settings: dict) -> str:
     words.append("--remat")
   if args.text:
     words.append(f"--text {args.text}")
-  words += [f"--optimizer {settings['optimizer']}",
-            f"--lr {settings['lr']!r}", f"--steps {settings['steps']}",
-            f"--batch-size {settings['batch_size']}",
-            f"--devices {settings['devices']}",
-            "--seeds " + " ".join(map(str, settings["seeds"]))]
+  words += [
+    f"--optimizer {settings['optimizer']}",
+    f"--lr {settings['lr']!r}",
+    f"--steps {settings['steps']}",
+    f"--batch-size {settings['batch_size']}",
+    f"--devices {settings['devices']}",
+    "--seeds " + " ".join(map(str, settings["seeds"])),
+  ]
   if args.eval_every:
     words.append(f"--eval-every {args.eval_every}")
   if args.lr_sweep:
-    words.append("--lr-sweep" + (" --lrs " + " ".join(
-        repr(x) for x in args.lrs) if args.lrs else ""))
+    words.append(
+      "--lr-sweep"
+      + (" --lrs " + " ".join(repr(x) for x in args.lrs) if args.lrs else "")
+    )
   if args.mode_sweep and not args.modes:
     words.append("--mode-sweep")
   if args.modes:
@@ -251,56 +354,77 @@ def _load(args):
   for path, other in zip(args.merge, loaded):
     for key in ("task", "loss_unit"):
       if other[key] != first[key]:
-        raise SystemExit(f"immgrad.experiments --merge: {path} has {key} "
-                         f"{other[key]!r}, {args.merge[0]} {first[key]!r}: "
-                         "only runs of one task merge.")
+        raise SystemExit(
+          f"immgrad.experiments --merge: {path} has {key} "
+          f"{other[key]!r}, {args.merge[0]} {first[key]!r}: "
+          "only runs of one task merge."
+        )
     for key in ("task", "optimizer", "steps", "batch_size", "eval_every"):
       if other["settings"][key] != first["settings"][key]:
         raise SystemExit(
-            f"immgrad.experiments --merge: {path} has {key} "
-            f"{other['settings'][key]!r}, {args.merge[0]} "
-            f"{first['settings'][key]!r}: only runs with the same settings "
-            "merge.")
+          f"immgrad.experiments --merge: {path} has {key} "
+          f"{other['settings'][key]!r}, {args.merge[0]} "
+          f"{first['settings'][key]!r}: only runs with the same settings "
+          "merge."
+        )
   run, methods, modes = {}, {}, set()
   for path, payload in zip(args.merge, loaded):
     modes |= set(payload["settings"]["modes"] or [])
     for r in payload["runs"]:
       key = (r["lr"], r["seed"])
       if r["method"] in run.get(key, {}):
-        raise SystemExit(f"immgrad.experiments --merge: {r['method']} at lr "
-                         f"{r['lr']:g}, seed {r['seed']} is in two of the "
-                         f"files (again in {path}).")
+        raise SystemExit(
+          f"immgrad.experiments --merge: {r['method']} at lr "
+          f"{r['lr']:g}, seed {r['seed']} is in two of the "
+          f"files (again in {path})."
+        )
       methods[r["method"]] = True
       run.setdefault(key, {})[r["method"]] = train_lib.Run(
-          r["method"], losses=r["losses"], seconds=r["seconds"],
-          evals=r["evals"], diverged_at=r["summary"]["diverged_at"],
-          compile_seconds=r["summary"]["compile_seconds"],
-          dx_change=r.get("dx_change"))
+        r["method"],
+        losses=r["losses"],
+        seconds=r["seconds"],
+        evals=r["evals"],
+        diverged_at=r["summary"]["diverged_at"],
+        compile_seconds=r["summary"]["compile_seconds"],
+        dx_change=r.get("dx_change"),
+      )
   methods = sorted(methods, key=lambda m: (m != "plain", m))
   for (lr, seed), runs in sorted(run.items()):
     missing = [m for m in methods if m not in runs]
     if missing:
-      raise SystemExit(f"immgrad.experiments --merge: lr {lr:g}, seed "
-                       f"{seed} lacks {missing}: every lr and seed needs "
-                       "every method.")
+      raise SystemExit(
+        f"immgrad.experiments --merge: lr {lr:g}, seed "
+        f"{seed} lacks {missing}: every lr and seed needs "
+        "every method."
+      )
     run[lr, seed] = {m: runs[m] for m in methods}
   settings = dict(first["settings"])
   lrs = sorted({lr for lr, _ in run})
   settings.update(
-      lr=args.lr or settings["lr"], lrs=lrs,
-      seeds=sorted({seed for _, seed in run}), methods=methods,
-      modes=sorted(modes) or None, lr_sweep=len(lrs) > 1,
-      measure_dx=any(r.dx_change for runs in run.values()
-                     for r in runs.values()),
-      merged_from=[dict(path=p, command=x["settings"].get("command"),
-                        machine=x["machine"])
-                   for p, x in zip(args.merge, loaded)])
+    lr=args.lr or settings["lr"],
+    lrs=lrs,
+    seeds=sorted({seed for _, seed in run}),
+    methods=methods,
+    modes=sorted(modes) or None,
+    lr_sweep=len(lrs) > 1,
+    measure_dx=any(r.dx_change for runs in run.values() for r in runs.values()),
+    merged_from=[
+      dict(path=p, command=x["settings"].get("command"), machine=x["machine"])
+      for p, x in zip(args.merge, loaded)
+    ],
+  )
   if settings["lr"] not in lrs:
-    raise SystemExit(f"immgrad.experiments --merge: --lr {settings['lr']:g} "
-                     f"is not among the runs' {lrs}.")
-  info = dict(name=settings["task"], description=first["task"],
-              loss_unit=first["loss_unit"], settings=settings,
-              machine=first["machine"])
+    raise SystemExit(
+      f"immgrad.experiments --merge: --lr {settings['lr']:g} "
+      f"is not among the runs' {lrs}."
+    )
+  info = dict(
+    name=settings["task"],
+    description=first["task"],
+    loss_unit=first["loss_unit"],
+    settings=settings,
+    machine=first["machine"],
+  )
   return run, info
 
 
@@ -316,49 +440,67 @@ def _report(args, run, info, out):
       summary = report.summarise(r, runs.get("plain"), steps, target)
       summary["target"] = target
       per_method[method].append(summary)
-      record = dict(lr=run_lr, seed=seed, method=method, losses=r.losses,
-                    seconds=r.seconds, evals=r.evals, summary=summary)
+      record = dict(
+        lr=run_lr,
+        seed=seed,
+        method=method,
+        losses=r.losses,
+        seconds=r.seconds,
+        evals=r.evals,
+        summary=summary,
+      )
       if r.dx_change is not None:
-        record["dx_change"] = {k: [float(f"{v:.4g}") for v in vs]
-                               for k, vs in r.dx_change.items()}
+        record["dx_change"] = {
+          k: [float(f"{v:.4g}") for v in vs] for k, vs in r.dx_change.items()
+        }
         summary["dx"] = report.dx_summary(r.dx_change, r.diverged_at)
       records.append(record)
     if "plain" in runs and report.reference_method(runs) in runs:
       sanity.append(dict(lr=run_lr, seed=seed, **report.sanity(runs)))
   for run_lr, per_method in summaries.items():
-    aggregates[run_lr] = {m: report.aggregate(
-        [{k: v for k, v in s.items() if k != "dx"} for s in ss])
-                          for m, ss in per_method.items()}
+    aggregates[run_lr] = {
+      m: report.aggregate(
+        [{k: v for k, v in s.items() if k != "dx"} for s in ss]
+      )
+      for m, ss in per_method.items()
+    }
 
   main_records = [r for r in records if r["lr"] == lr]
-  text = [f"## {info['description']}",
-          f"{settings['optimizer']}, lr {lr:g}, {steps} steps, batch "
-          f"{settings['batch_size']} over {settings['devices']} devices, "
-          f"seeds {settings['seeds']}", "",
-          report.table(aggregates[lr], unit), ""]
+  text = [
+    f"## {info['description']}",
+    f"{settings['optimizer']}, lr {lr:g}, {steps} steps, batch "
+    f"{settings['batch_size']} over {settings['devices']} devices, "
+    f"seeds {settings['seeds']}",
+    "",
+    report.table(aggregates[lr], unit),
+    "",
+  ]
   checks = [s for s in sanity if s["lr"] == lr]
   passed = all(s["passed"] for s in checks)
   if checks:
-    worst = max(s["max_relative_loss_difference_first_steps"]
-                for s in checks)
+    worst = max(s["max_relative_loss_difference_first_steps"] for s in checks)
     whole = max(s["max_relative_loss_difference_whole_run"] for s in checks)
     text.append(
-        f"Sanity check ({checks[0]['reference']} reproduces plain): "
-        f"{'PASSED' if passed else 'FAILED'}: largest relative loss "
-        f"difference {worst:.2g} over the first {report.SANITY_STEPS} steps "
-        f"(must be <= {report.SANITY_RTOL:g}); {whole:.2g} over the whole "
-        "run.")
+      f"Sanity check ({checks[0]['reference']} reproduces plain): "
+      f"{'PASSED' if passed else 'FAILED'}: largest relative loss "
+      f"difference {worst:.2g} over the first {report.SANITY_STEPS} steps "
+      f"(must be <= {report.SANITY_RTOL:g}); {whole:.2g} over the whole "
+      "run."
+    )
   else:
-    text.append("Sanity check: not run (it needs plain and current or a=0; "
-                "merge runs that have them with --merge).")
+    text.append(
+      "Sanity check: not run (it needs plain and current or a=0; "
+      "merge runs that have them with --merge)."
+    )
   sweep = None
   if settings["lr_sweep"]:
     sweep = _sweep(aggregates, methods)
     text += ["", _sweep_table(sweep, aggregates, methods)]
   mode_sweep = None
   if settings["modes"] is not None and "a=0" in methods:
-    mode_sweep, mode_text = _mode_sweep(summaries, lr, sweep, methods, name,
-                                        settings["optimizer"], unit)
+    mode_sweep, mode_text = _mode_sweep(
+      summaries, lr, sweep, methods, name, settings["optimizer"], unit
+    )
     text += ["", mode_text]
   dx_rows = None
   if settings["measure_dx"]:
@@ -369,19 +511,35 @@ def _report(args, run, info, out):
     text += ["", f"Repeat this run with: {settings['command']}"]
   print("\n".join(text))
 
-  report.write_json(os.path.join(out, "results.json"), dict(
-      settings=settings, task=info["description"], loss_unit=unit,
-      machine=info["machine"], aggregates={str(k): v for k, v in
-                                           aggregates.items()},
-      sanity=sanity, lr_sweep=sweep, mode_sweep=mode_sweep,
-      dx_change=dx_rows, runs=records))
-  report.plot(os.path.join(out, "loss_curves.png"), main_records, steps,
-              unit, f"{name}: {settings['optimizer']} lr {lr:g}, "
-              f"seeds {settings['seeds']}")
+  report.write_json(
+    os.path.join(out, "results.json"),
+    dict(
+      settings=settings,
+      task=info["description"],
+      loss_unit=unit,
+      machine=info["machine"],
+      aggregates={str(k): v for k, v in aggregates.items()},
+      sanity=sanity,
+      lr_sweep=sweep,
+      mode_sweep=mode_sweep,
+      dx_change=dx_rows,
+      runs=records,
+    ),
+  )
+  report.plot(
+    os.path.join(out, "loss_curves.png"),
+    main_records,
+    steps,
+    unit,
+    f"{name}: {settings['optimizer']} lr {lr:g}, seeds {settings['seeds']}",
+  )
   written = ["results.json", "loss_curves.png"]
   if settings["measure_dx"]:
-    report.plot_dx(os.path.join(out, "dx_change.png"), records,
-                   f"{name}: {settings['optimizer']}")
+    report.plot_dx(
+      os.path.join(out, "dx_change.png"),
+      records,
+      f"{name}: {settings['optimizer']}",
+    )
     written.append("dx_change.png")
   print(f"\nwrote {', '.join(f'{out}/{w}' for w in written)}")
   return 0 if passed else 1
@@ -394,22 +552,30 @@ def _mode_sweep(summaries, lr, sweep, methods, name, optimizer, unit):
   lrs = sorted(summaries) if sweep else [lr]
   for lr_value in lrs:
     t, result = report.mode_table(
-        summaries[lr_value], unit,
-        f"Mode sweep, {head}, lr {lr_value:g}: final losses over seeds, "
-        "and the paired difference from a=0 (positive: better than a=0).")
+      summaries[lr_value],
+      unit,
+      f"Mode sweep, {head}, lr {lr_value:g}: final losses over seeds, "
+      "and the paired difference from a=0 (positive: better than a=0).",
+    )
     out[str(lr_value)] = result
     texts.append(t)
   if sweep:  # Each method at its own best learning rate.
     tuned = {}
     for m in methods:
       best = sweep[m]["best_lr"]
-      tuned[m] = (summaries[best][m] if best is not None else
-                  summaries[lrs[0]][m])
+      tuned[m] = (
+        summaries[best][m] if best is not None else summaries[lrs[0]][m]
+      )
     t, result = report.mode_table(
-        tuned, unit,
-        f"Mode sweep, {head}, each method at its own best lr ("
-        + ", ".join(f"{m} {sweep[m]['best_lr']:g}" if sweep[m]["best_lr"]
-                    else f"{m} -" for m in methods) + ").")
+      tuned,
+      unit,
+      f"Mode sweep, {head}, each method at its own best lr ("
+      + ", ".join(
+        f"{m} {sweep[m]['best_lr']:g}" if sweep[m]["best_lr"] else f"{m} -"
+        for m in methods
+      )
+      + ").",
+    )
     out["tuned"] = result
     texts.append(t)
   return out, "\n\n".join(texts)
@@ -422,10 +588,16 @@ def _dx_rows(summaries, methods):
       ss = summaries[lr_value][m]
       if not any("dx" in s for s in ss):
         continue
-      rows.append({"lr": lr_value, "method": m,
-                   "diverged_at": [s["diverged_at"] for s in ss
-                                   if s["diverged_at"] is not None],
-                   "summaries": [s.get("dx") for s in ss]})
+      rows.append(
+        {
+          "lr": lr_value,
+          "method": m,
+          "diverged_at": [
+            s["diverged_at"] for s in ss if s["diverged_at"] is not None
+          ],
+          "summaries": [s.get("dx") for s in ss],
+        }
+      )
   return rows
 
 
@@ -433,6 +605,7 @@ def _progress(args, total, desc):
   if args.no_progress:
     return None
   from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+
   return tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True)
 
 
@@ -448,26 +621,32 @@ def _sweep(aggregates, methods):
       elif agg["final_smoothed_train_loss"] is not None:
         finals[lr_value] = agg["final_smoothed_train_loss"]["mean"]
     out[method] = {
-        "best_lr": min(finals, key=finals.get) if finals else None,
-        "best_final_smoothed_train_loss": min(finals.values())
-                                          if finals else None,
-        "lowest_diverging_lr": min(diverging) if diverging else None}
+      "best_lr": min(finals, key=finals.get) if finals else None,
+      "best_final_smoothed_train_loss": min(finals.values())
+      if finals
+      else None,
+      "lowest_diverging_lr": min(diverging) if diverging else None,
+    }
   return out
 
 
 def _sweep_table(sweep, aggregates, methods):
   methods = list(methods)
-  rows = ["Learning-rate sweep: final smoothed training loss (mean over "
-          "seeds), or the step it diverged at.", "",
-          "| lr | " + " | ".join(methods) + " |",
-          "|" + " --- |" * (len(methods) + 1)]
+  rows = [
+    "Learning-rate sweep: final smoothed training loss (mean over "
+    "seeds), or the step it diverged at.",
+    "",
+    "| lr | " + " | ".join(methods) + " |",
+    "|" + " --- |" * (len(methods) + 1),
+  ]
   for lr_value in sorted(aggregates):
     cells = []
     for m in methods:
       agg = aggregates[lr_value][m]
       if agg["diverged_runs"]:
-        cells.append("diverged at step " +
-                     ", ".join(str(s) for s in agg["diverged_at"]))
+        cells.append(
+          "diverged at step " + ", ".join(str(s) for s in agg["diverged_at"])
+        )
       else:
         cells.append(report._cell(agg["final_smoothed_train_loss"]))  # pylint: disable=protected-access
     rows.append(f"| {lr_value:g} | " + " | ".join(cells) + " |")
@@ -475,8 +654,11 @@ def _sweep_table(sweep, aggregates, methods):
   for m in methods:
     s = sweep[m]
     best = "-" if s["best_lr"] is None else f"{s['best_lr']:g}"
-    div = ("none of those tried" if s["lowest_diverging_lr"] is None
-           else f"{s['lowest_diverging_lr']:g}")
+    div = (
+      "none of those tried"
+      if s["lowest_diverging_lr"] is None
+      else f"{s['lowest_diverging_lr']:g}"
+    )
     rows.append(f"- {m}: best lr {best}, lowest diverging lr {div}")
   return "\n".join(rows)
 

@@ -36,7 +36,7 @@ import json
 import math
 import os
 import platform
-from typing import Any, Optional
+from typing import Any
 
 import haiku
 import jax
@@ -63,24 +63,30 @@ def window_of(steps: int) -> int:
   return max(1, steps // 10)
 
 
-def default_target(runs: dict, steps: int) -> Optional[float]:
-  finals = [float(smoothed(run.losses, window_of(steps))[-1])
-            for run in runs.values()
-            if run.diverged_at is None and run.losses]
+def default_target(runs: dict, steps: int) -> float | None:
+  finals = [
+    float(smoothed(run.losses, window_of(steps))[-1])
+    for run in runs.values()
+    if run.diverged_at is None and run.losses
+  ]
   return max(finals) if finals else None
 
 
-def summarise(run, plain, steps: int, target: Optional[float]) -> dict:
+def summarise(run, plain, steps: int, target: float | None) -> dict:
   """The figures of one method in one run (``plain``: None if not run)."""
   curve = smoothed(run.losses, window_of(steps))
-  out = {"diverged_at": run.diverged_at,
-         "compile_seconds": run.compile_seconds,
-         "final_smoothed_train_loss": float(curve[-1]) if len(curve) else None,
-         "median_step_seconds": float(np.median(run.seconds))
-                                if run.seconds else None}
+  out = {
+    "diverged_at": run.diverged_at,
+    "compile_seconds": run.compile_seconds,
+    "final_smoothed_train_loss": float(curve[-1]) if len(curve) else None,
+    "median_step_seconds": float(np.median(run.seconds))
+    if run.seconds
+    else None,
+  }
   if out["median_step_seconds"] and plain is not None and plain.seconds:
     out["step_time_ratio"] = out["median_step_seconds"] / float(
-        np.median(plain.seconds))
+      np.median(plain.seconds)
+    )
   for key in run.evals[-1] if run.evals else {}:
     if key == "step":
       continue
@@ -93,7 +99,7 @@ def summarise(run, plain, steps: int, target: Optional[float]) -> dict:
     reached = np.nonzero(curve <= target)[0]
     if len(reached):
       out["steps_to_target"] = int(reached[0]) + 1
-      out["seconds_to_target"] = float(np.sum(run.seconds[:reached[0] + 1]))
+      out["seconds_to_target"] = float(np.sum(run.seconds[: reached[0] + 1]))
   return out
 
 
@@ -111,17 +117,19 @@ def sanity(runs: dict) -> dict:
   rel = np.abs(a[:n] - b[:n]) / np.maximum(np.abs(b[:n]), 1e-30)
   early = float(np.max(rel[:SANITY_STEPS])) if n else math.inf
   return {
-      "max_relative_loss_difference_first_steps": early,
-      "first_steps": min(n, SANITY_STEPS),
-      "max_relative_loss_difference_whole_run":
-          float(np.max(rel)) if n else math.inf,
-      # Not kept in results.json: None for runs --merge read back.
-      "max_final_parameter_difference": train_lib.max_param_difference(
-          runs[reference].final_params, runs["plain"].final_params)
-                                        if runs["plain"].final_params
-                                        is not None else None,
-      "reference": reference,
-      "passed": bool(early <= SANITY_RTOL),
+    "max_relative_loss_difference_first_steps": early,
+    "first_steps": min(n, SANITY_STEPS),
+    "max_relative_loss_difference_whole_run": float(np.max(rel))
+    if n
+    else math.inf,
+    # Not kept in results.json: None for runs --merge read back.
+    "max_final_parameter_difference": train_lib.max_param_difference(
+      runs[reference].final_params, runs["plain"].final_params
+    )
+    if runs["plain"].final_params is not None
+    else None,
+    "reference": reference,
+    "passed": bool(early <= SANITY_RTOL),
   }
 
 
@@ -137,11 +145,14 @@ def aggregate(summaries: list[dict]) -> dict:
     if not values or not all(isinstance(v, (int, float)) for v in values):
       out[key] = None
       continue
-    out[key] = {"mean": float(np.mean(values)),
-                "std": float(np.std(values, ddof=1)) if len(values) > 1
-                       else 0.0,
-                "min": float(np.min(values)), "max": float(np.max(values)),
-                "n": len(values), "of": len(summaries)}
+    out[key] = {
+      "mean": float(np.mean(values)),
+      "std": float(np.std(values, ddof=1)) if len(values) > 1 else 0.0,
+      "min": float(np.min(values)),
+      "max": float(np.max(values)),
+      "n": len(values),
+      "of": len(summaries),
+    }
   return out
 
 
@@ -164,17 +175,17 @@ def table(aggregates: dict, unit: str) -> str:
   """Markdown table, one row per method."""
   has_accuracy = any("final_heldout_accuracy" in a for a in aggregates.values())
   columns = [
-      ("final train", "final_train_loss"),
-      ("best train", "best_train_loss"),
-      ("final held-out", "final_heldout_loss"),
-      ("best held-out", "best_heldout_loss"),
+    ("final train", "final_train_loss"),
+    ("best train", "best_train_loss"),
+    ("final held-out", "final_heldout_loss"),
+    ("best held-out", "best_heldout_loss"),
   ]
   if has_accuracy:
     columns.append(("held-out accuracy", "final_heldout_accuracy"))
   columns += [
-      ("steps to target", "steps_to_target"),
-      ("seconds to target", "seconds_to_target"),
-      ("step time / plain", "step_time_ratio"),
+    ("steps to target", "steps_to_target"),
+    ("seconds to target", "seconds_to_target"),
+    ("step time / plain", "step_time_ratio"),
   ]
   head = "| method | " + " | ".join(c for c, _ in columns) + " | diverged |"
   rule = "|" + " --- |" * (len(columns) + 2)
@@ -188,11 +199,17 @@ def table(aggregates: dict, unit: str) -> str:
 
 
 def machine() -> dict:
-  return {"platform": platform.platform(), "processor": platform.processor(),
-          "cpu_count": os.cpu_count(), "python": platform.python_version(),
-          "devices": [str(d) for d in jax.devices()],
-          "jax": jax.__version__, "optax": optax.__version__,
-          "haiku": haiku.__version__, "immgrad": immgrad.__version__}
+  return {
+    "platform": platform.platform(),
+    "processor": platform.processor(),
+    "cpu_count": os.cpu_count(),
+    "python": platform.python_version(),
+    "devices": [str(d) for d in jax.devices()],
+    "jax": jax.__version__,
+    "optax": optax.__version__,
+    "haiku": haiku.__version__,
+    "immgrad": immgrad.__version__,
+  }
 
 
 def write_json(path: str, payload: dict) -> None:
@@ -200,10 +217,12 @@ def write_json(path: str, payload: dict) -> None:
     json.dump(payload, f, indent=1, default=float)
 
 
-def plot(path: str, records: list[dict], steps: int, unit: str,
-         title: str) -> None:
+def plot(
+  path: str, records: list[dict], steps: int, unit: str, title: str
+) -> None:
   """Smoothed train loss against step and against wall seconds."""
   import matplotlib  # pylint: disable=g-import-not-at-top
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
@@ -217,8 +236,13 @@ def plot(path: str, records: list[dict], steps: int, unit: str,
       continue
     label = None if method in labelled else method
     labelled.add(method)
-    style = dict(color=colors[method], alpha=0.85, lw=1.4, label=label,
-                 ls="--" if method in ("current", "a=0") else "-")
+    style = dict(
+      color=colors[method],
+      alpha=0.85,
+      lw=1.4,
+      label=label,
+      ls="--" if method in ("current", "a=0") else "-",
+    )
     by_step.plot(np.arange(1, len(curve) + 1), curve, **style)
     by_time.plot(np.cumsum(record["seconds"]), curve, **style)
   for ax, xlabel in ((by_step, "step"), (by_time, "wall seconds (steps only)")):
@@ -234,10 +258,26 @@ def plot(path: str, records: list[dict], steps: int, unit: str,
 
 
 def _colors(methods) -> dict:
-  fixed = {"plain": "tab:gray", "current": "tab:blue", "updated": "tab:red",
-           "a=0": "tab:blue", "a=1": "tab:red"}
-  others = iter(["tab:orange", "tab:green", "tab:purple", "tab:brown",
-                 "tab:pink", "tab:olive", "tab:cyan", "black"] * 4)
+  fixed = {
+    "plain": "tab:gray",
+    "current": "tab:blue",
+    "updated": "tab:red",
+    "a=0": "tab:blue",
+    "a=1": "tab:red",
+  }
+  others = iter(
+    [
+      "tab:orange",
+      "tab:green",
+      "tab:purple",
+      "tab:brown",
+      "tab:pink",
+      "tab:olive",
+      "tab:cyan",
+      "black",
+    ]
+    * 4
+  )
   out = {}
   for m in dict.fromkeys(methods):
     out[m] = fixed.get(m) or next(others)
@@ -246,64 +286,88 @@ def _colors(methods) -> dict:
 
 # -- mode sweep: which a, and does any beat a=0 ---------------------------
 
-MODE_KEYS = (("final smoothed train", "final_smoothed_train_loss"),
-             ("final held-out", "final_heldout_loss"))
+MODE_KEYS = (
+  ("final smoothed train", "final_smoothed_train_loss"),
+  ("final held-out", "final_heldout_loss"),
+)
 
 
-def compare_modes(per_method: dict, baseline: str = "a=0",
-                  key: str = "final_smoothed_train_loss") -> dict:
+def compare_modes(
+  per_method: dict,
+  baseline: str = "a=0",
+  key: str = "final_smoothed_train_loss",
+) -> dict:
   """Each method's ``key`` over seeds, against ``baseline`` (paired).
 
   ``per_method``: method -> summaries, in the same seed order for all.
   """
   base = [s.get(key) for s in per_method[baseline]]
-  base_diverged = any(s["diverged_at"] is not None
-                      for s in per_method[baseline])
+  base_diverged = any(
+    s["diverged_at"] is not None for s in per_method[baseline]
+  )
   out = {}
   for method, summaries in per_method.items():
     values = [s.get(key) for s in summaries]
-    diverged = [s["diverged_at"] for s in summaries
-                if s["diverged_at"] is not None]
+    diverged = [
+      s["diverged_at"] for s in summaries if s["diverged_at"] is not None
+    ]
     finite = [v for v in values if v is not None and math.isfinite(v)]
-    row = {"values": values, "diverged_at": diverged,
-           "n": len(finite), "of": len(values)}
+    row = {
+      "values": values,
+      "diverged_at": diverged,
+      "n": len(finite),
+      "of": len(values),
+    }
     if finite and not diverged:
-      row.update(mean=float(np.mean(finite)), min=float(np.min(finite)),
-                 max=float(np.max(finite)),
-                 std=float(np.std(finite, ddof=1)) if len(finite) > 1
-                 else 0.0)
+      row.update(
+        mean=float(np.mean(finite)),
+        min=float(np.min(finite)),
+        max=float(np.max(finite)),
+        std=float(np.std(finite, ddof=1)) if len(finite) > 1 else 0.0,
+      )
     if method != baseline and not diverged and base_diverged:
       # a=0 diverged on some seed and this method on none: better, though
       # not by a loss difference.
-      row.update(beats_range=True, worse_range=False, beats_2se=False,
-                 baseline_diverged=True)
-    elif (method != baseline and not diverged and
-          len(finite) == len(base) and
-          all(v is not None and math.isfinite(v) for v in base)):
+      row.update(
+        beats_range=True,
+        worse_range=False,
+        beats_2se=False,
+        baseline_diverged=True,
+      )
+    elif (
+      method != baseline
+      and not diverged
+      and len(finite) == len(base)
+      and all(v is not None and math.isfinite(v) for v in base)
+    ):
       d = np.asarray(base, np.float64) - np.asarray(values, np.float64)
-      se = (float(np.std(d, ddof=1) / math.sqrt(len(d))) if len(d) > 1
-            else math.inf)
-      row.update(paired_difference=float(np.mean(d)), paired_se=se,
-                 # One seed has no spread: no verdict.
-                 beats_2se=bool(len(d) > 1 and np.mean(d) > 2 * se),
-                 beats_range=bool(len(d) > 1 and max(values) < min(base)),
-                 worse_range=bool(len(d) > 1 and min(values) > max(base)))
+      se = (
+        float(np.std(d, ddof=1) / math.sqrt(len(d))) if len(d) > 1 else math.inf
+      )
+      row.update(
+        paired_difference=float(np.mean(d)),
+        paired_se=se,
+        # One seed has no spread: no verdict.
+        beats_2se=bool(len(d) > 1 and np.mean(d) > 2 * se),
+        beats_range=bool(len(d) > 1 and max(values) < min(base)),
+        worse_range=bool(len(d) > 1 and min(values) > max(base)),
+      )
     out[method] = row
   return out
 
 
-def best_mode(comparison: dict) -> Optional[str]:
+def best_mode(comparison: dict) -> str | None:
   """The immgrad method (not plain) with the lowest mean, none diverged."""
-  ok = {m: r["mean"] for m, r in comparison.items()
-        if m != "plain" and "mean" in r}
+  ok = {
+    m: r["mean"] for m, r in comparison.items() if m != "plain" and "mean" in r
+  }
   return min(ok, key=ok.get) if ok else None
 
 
 def _value(row: dict) -> str:
   if "mean" not in row:
     if row["diverged_at"]:
-      return ("diverged at step " +
-              ", ".join(str(s) for s in row["diverged_at"]))
+      return "diverged at step " + ", ".join(str(s) for s in row["diverged_at"])
     return "-"
   cell = f"{row['mean']:.4g}"
   if row["of"] > 1:
@@ -330,51 +394,69 @@ def _difference(row: dict) -> str:
 
 def mode_table(per_method: dict, unit: str, title: str) -> tuple[str, dict]:
   """The mode sweep's table and verdicts for one set of runs."""
-  comparisons = {key: compare_modes(per_method, key=key)
-                 for _, key in MODE_KEYS}
-  rows = [title, "",
-          "| method | final smoothed train (mean ± std [min, max]) | "
-          "a=0 minus it (paired, mean ± se) | final held-out | "
-          "a=0 minus it |", "|" + " --- |" * 5]
+  comparisons = {
+    key: compare_modes(per_method, key=key) for _, key in MODE_KEYS
+  }
+  rows = [
+    title,
+    "",
+    "| method | final smoothed train (mean ± std [min, max]) | "
+    "a=0 minus it (paired, mean ± se) | final held-out | "
+    "a=0 minus it |",
+    "|" + " --- |" * 5,
+  ]
   train_c = comparisons["final_smoothed_train_loss"]
   held_c = comparisons["final_heldout_loss"]
   for method in per_method:
-    rows.append(f"| {method} | {_value(train_c[method])} | "
-                f"{_difference(train_c[method])} | "
-                f"{_value(held_c[method])} | "
-                f"{_difference(held_c[method])} |")
-  rows += ["", f"Losses in {unit}; 'beats'/'worse': the ranges over seeds "
-           "do not overlap (the rule below)."]
+    rows.append(
+      f"| {method} | {_value(train_c[method])} | "
+      f"{_difference(train_c[method])} | "
+      f"{_value(held_c[method])} | "
+      f"{_difference(held_c[method])} |"
+    )
+  rows += [
+    "",
+    f"Losses in {unit}; 'beats'/'worse': the ranges over seeds "
+    "do not overlap (the rule below).",
+  ]
   verdict = {}
   for label, key in MODE_KEYS:
     c = comparisons[key]
     best = best_mode(c)
-    winners = [m for m, r in c.items()
-               if m not in ("plain", "a=0") and r.get("beats_range")]
-    verdict[key] = {"best": best, "best_mean": c[best]["mean"] if best
-                    else None, "best_spread": [c[best]["min"], c[best]["max"]]
-                    if best else None, "beat_a0_beyond_spread": winners}
+    winners = [
+      m
+      for m, r in c.items()
+      if m not in ("plain", "a=0") and r.get("beats_range")
+    ]
+    verdict[key] = {
+      "best": best,
+      "best_mean": c[best]["mean"] if best else None,
+      "best_spread": [c[best]["min"], c[best]["max"]] if best else None,
+      "beat_a0_beyond_spread": winners,
+    }
     if best is None:
       line = f"- {label}: every a diverged on some seed"
     else:
-      line = (f"- {label}: best {best} ({_value(c[best])}); "
-              + (f"beating a=0 beyond the seed spread: {', '.join(winners)}"
-                 if winners else "no nonzero a beats a=0 beyond the seed "
-                 "spread"))
+      line = f"- {label}: best {best} ({_value(c[best])}); " + (
+        f"beating a=0 beyond the seed spread: {', '.join(winners)}"
+        if winners
+        else "no nonzero a beats a=0 beyond the seed spread"
+      )
     rows.append(line)
   return "\n".join(rows), {"comparisons": comparisons, "verdict": verdict}
 
 
 # -- dX change: how large the second-order term is ------------------------
 
+
 def natural_key(name: str):
   """Sorts ``linear_2`` before ``linear_10`` (Haiku's creation order)."""
   import re  # pylint: disable=g-import-not-at-top
+
   return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
 
 
-def dx_summary(dx_change: dict, diverged_at: Optional[int],
-               last: int = 5) -> dict:
+def dx_summary(dx_change: dict, diverged_at: int | None, last: int = 5) -> dict:
   """A run's dX change in a few figures (over its finite measurements).
 
   * ``first``: the largest layer's ratio at step 1;
@@ -392,41 +474,50 @@ def dx_summary(dx_change: dict, diverged_at: Optional[int],
   steps = x.shape[1]
   if diverged_at is not None:  # The diverging step's own measurement too.
     steps = min(steps, diverged_at - 1)
-  x = x[:, :max(steps, 1)]
+  x = x[:, : max(steps, 1)]
   x = np.where(np.isfinite(x), x, np.nan)
   with np.errstate(all="ignore"):
     med = np.nanmedian(x, axis=1)
-    out = {"first": float(np.nanmax(x[:, 0])),
-           "median": float(np.nanmax(med)),
-           "median_sum": float(np.nanmedian(np.nansum(x, axis=0))),
-           "end": float(np.nanmax(x[:, -last:])),
-           "argmax_layer": names[int(np.nanargmax(med))]}
+    out = {
+      "first": float(np.nanmax(x[:, 0])),
+      "median": float(np.nanmax(med)),
+      "median_sum": float(np.nanmedian(np.nansum(x, axis=0))),
+      "end": float(np.nanmax(x[:, -last:])),
+      "argmax_layer": names[int(np.nanargmax(med))],
+    }
   return out
 
 
 def dx_table(rows: list[dict]) -> str:
   """``rows``: dicts with lr, method, seeds' dx summaries and divergences."""
-  out = ["dX change |dX_updated - dX_current| / |dX_current| (see below), "
-         "mean over seeds:", "",
-         "| lr | method | diverged at | at step 1 (max layer) | median over "
-         "steps (max layer) | sum over layers (median step) | last 5 steps "
-         "before the end or divergence (max) | layer of the largest median |",
-         "|" + " --- |" * 8]
+  out = [
+    "dX change |dX_updated - dX_current| / |dX_current| (see below), "
+    "mean over seeds:",
+    "",
+    "| lr | method | diverged at | at step 1 (max layer) | median over "
+    "steps (max layer) | sum over layers (median step) | last 5 steps "
+    "before the end or divergence (max) | layer of the largest median |",
+    "|" + " --- |" * 8,
+  ]
   for r in rows:
     s = r["summaries"]
-    mean = lambda k, s=s: (f"{np.mean([x[k] for x in s if x]):.3g}"
-                           if any(s) else "-")
+    mean = lambda k, s=s: (
+      f"{np.mean([x[k] for x in s if x]):.3g}" if any(s) else "-"
+    )
     layers = sorted({x["argmax_layer"] for x in s if x})
     div = ", ".join(str(d) for d in r["diverged_at"]) or "no"
-    out.append(f"| {r['lr']:g} | {r['method']} | {div} | {mean('first')} | "
-               f"{mean('median')} | {mean('median_sum')} | {mean('end')} | "
-               f"{', '.join(layers)} |")
+    out.append(
+      f"| {r['lr']:g} | {r['method']} | {div} | {mean('first')} | "
+      f"{mean('median')} | {mean('median_sum')} | {mean('end')} | "
+      f"{', '.join(layers)} |"
+    )
   return "\n".join(out)
 
 
 def plot_dx(path: str, records: list[dict], title: str) -> None:
   """dX change against step, one line per layer, one panel per lr and a."""
   import matplotlib  # pylint: disable=g-import-not-at-top
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
@@ -437,10 +528,14 @@ def plot_dx(path: str, records: list[dict], title: str) -> None:
   records = [r for r in records if r["seed"] == seed]
   lrs = sorted({r["lr"] for r in records})
   methods = list(dict.fromkeys(r["method"] for r in records))
-  fig, axes = plt.subplots(len(lrs), len(methods), squeeze=False,
-                           sharex=True, sharey=True,
-                           figsize=(3.6 * len(methods) + 0.6,
-                                    2.6 * len(lrs) + 0.8))
+  fig, axes = plt.subplots(
+    len(lrs),
+    len(methods),
+    squeeze=False,
+    sharex=True,
+    sharey=True,
+    figsize=(3.6 * len(methods) + 0.6, 2.6 * len(lrs) + 0.8),
+  )
   cmap = plt.get_cmap("viridis")
   for r in records:
     ax = axes[lrs.index(r["lr"])][methods.index(r["method"])]
@@ -448,14 +543,26 @@ def plot_dx(path: str, records: list[dict], title: str) -> None:
     for i, name in enumerate(names):
       y = np.asarray(r["dx_change"][name], np.float64)
       y = np.where(np.isfinite(y) & (y > 0), y, np.nan)
-      ax.plot(np.arange(1, len(y) + 1), y, lw=0.8, alpha=0.8,
-              color=cmap(i / max(1, len(names) - 1)),
-              label=name if len(names) <= 8 else None)
+      ax.plot(
+        np.arange(1, len(y) + 1),
+        y,
+        lw=0.8,
+        alpha=0.8,
+        color=cmap(i / max(1, len(names) - 1)),
+        label=name if len(names) <= 8 else None,
+      )
     div = r["summary"]["diverged_at"]
     if div is not None:
       ax.axvline(div, color="red", ls="--", lw=1.2)
-      ax.text(div, 1.0, f" diverged {div}", color="red", fontsize=7,
-              transform=ax.get_xaxis_transform(), va="top")
+      ax.text(
+        div,
+        1.0,
+        f" diverged {div}",
+        color="red",
+        fontsize=7,
+        transform=ax.get_xaxis_transform(),
+        va="top",
+      )
     ax.set_yscale("log")
     ax.grid(True, which="both", alpha=0.3)
     ax.set_title(f"lr {r['lr']:g}, {r['method']}", fontsize=8)
@@ -465,8 +572,11 @@ def plot_dx(path: str, records: list[dict], title: str) -> None:
     ax.set_xlabel("step")
   for row in axes:
     row[0].set_ylabel("|dX_upd - dX_cur| / |dX_cur|", fontsize=8)
-  fig.suptitle(f"{title} (seed {seed}; colour: layer by creation order, "
-               "dark first, yellow last)", fontsize=9)
+  fig.suptitle(
+    f"{title} (seed {seed}; colour: layer by creation order, "
+    "dark first, yellow last)",
+    fontsize=9,
+  )
   fig.tight_layout()
   fig.savefig(path, dpi=100)
   plt.close(fig)

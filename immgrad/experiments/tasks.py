@@ -29,7 +29,7 @@ import glob
 import math
 import os
 import sysconfig
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator
 
 import haiku as hk
 import jax
@@ -43,6 +43,7 @@ import immgrad.haiku
 @dataclasses.dataclass(frozen=True)
 class Task:
   """What the runner needs to know about a task."""
+
   name: str
   description: str
   init: Callable[[int], Any]  # seed -> params
@@ -61,10 +62,11 @@ def _epochs(n: int, seed: int, size: int) -> Iterator[np.ndarray]:
   while True:
     order = rng.permutation(n)
     for i in range(n // size):
-      yield order[i * size:(i + 1) * size]
+      yield order[i * size : (i + 1) * size]
 
 
 # -- digits ---------------------------------------------------------------
+
 
 def _cnn(images):
   x = images[..., None]
@@ -83,13 +85,16 @@ def _deep_mlp(images):
   for _ in range(DEEP_MLP_BLOCKS):
     # He init scaled by 1/depth: the residual stream's variance grows by
     # about (1 + 1/16)^16 ~ e over the stack, not 2^16.
-    h = h + hk.Linear(DEEP_MLP_WIDTH, w_init=hk.initializers.VarianceScaling(
-        2.0 / DEEP_MLP_BLOCKS))(jax.nn.relu(h))
+    h = h + hk.Linear(
+      DEEP_MLP_WIDTH,
+      w_init=hk.initializers.VarianceScaling(2.0 / DEEP_MLP_BLOCKS),
+    )(jax.nn.relu(h))
   return hk.Linear(10)(jax.nn.relu(h))
 
 
 def _digits_data():
   from sklearn import datasets  # pylint: disable=g-import-not-at-top
+
   data = datasets.load_digits()
   images = (data.images / 16.0).astype(np.float32)
   labels = data.target.astype(np.int32)
@@ -101,20 +106,24 @@ def _digits_data():
 
 def digits() -> Task:
   """scikit-learn's digits, 80/20 split (the split is fixed, seed 0)."""
-  return _digits_task("digits", _cnn, "Haiku CNN (conv 16, conv 32 stride 2, "
-                      "linear 64, linear 10)",
-                      {"sgd": 0.1, "momentum": 0.03, "adam": 3e-3,
-                       "adamw": 3e-3})
+  return _digits_task(
+    "digits",
+    _cnn,
+    "Haiku CNN (conv 16, conv 32 stride 2, linear 64, linear 10)",
+    {"sgd": 0.1, "momentum": 0.03, "adam": 3e-3, "adamw": 3e-3},
+  )
 
 
 def deep_mlp() -> Task:
   """The digits through an 18-layer residual MLP (16 hidden blocks)."""
   return _digits_task(
-      "deep_mlp", _deep_mlp,
-      f"residual Haiku MLP, {DEEP_MLP_BLOCKS + 2} linear layers (in, "
-      f"{DEEP_MLP_BLOCKS} blocks h + Linear(relu(h)), out), width "
-      f"{DEEP_MLP_WIDTH}",
-      {"sgd": 0.0125, "momentum": 0.003, "adam": 1e-3, "adamw": 1e-3})
+    "deep_mlp",
+    _deep_mlp,
+    f"residual Haiku MLP, {DEEP_MLP_BLOCKS + 2} linear layers (in, "
+    f"{DEEP_MLP_BLOCKS} blocks h + Linear(relu(h)), out), width "
+    f"{DEEP_MLP_WIDTH}",
+    {"sgd": 0.0125, "momentum": 0.003, "adam": 1e-3, "adamw": 1e-3},
+  )
 
 
 def _digits_task(name, forward, model_description, default_lr) -> Task:
@@ -124,7 +133,8 @@ def _digits_task(name, forward, model_description, default_lr) -> Task:
   def loss_fn(params, images, labels):
     logits = model.apply(params, images)
     return optax.softmax_cross_entropy_with_integer_labels(
-        logits, labels).mean()
+      logits, labels
+    ).mean()
 
   @jax.jit
   def metrics(params, images, labels):
@@ -135,20 +145,30 @@ def _digits_task(name, forward, model_description, default_lr) -> Task:
   def evaluate(params):
     train_loss, _ = metrics(params, x_train, y_train)
     loss, accuracy = metrics(params, x_test, y_test)
-    return {"train_loss": float(train_loss), "heldout_loss": float(loss),
-            "heldout_accuracy": float(accuracy)}
+    return {
+      "train_loss": float(train_loss),
+      "heldout_loss": float(loss),
+      "heldout_accuracy": float(accuracy),
+    }
 
   def batches(seed, size):
     for index in _epochs(len(y_train), seed, size):
       yield x_train[index], y_train[index]
 
   return Task(
-      name=name,
-      description=(f"scikit-learn digits, {len(y_train)} train / "
-                   f"{len(y_test)} held-out images, {model_description}"),
-      init=lambda seed: model.init(jax.random.PRNGKey(seed), x_train[:1]),
-      loss_fn=loss_fn, batches=batches, evaluate=evaluate,
-      loss_unit="nats per example", loss_scale=1.0, default_lr=default_lr)
+    name=name,
+    description=(
+      f"scikit-learn digits, {len(y_train)} train / "
+      f"{len(y_test)} held-out images, {model_description}"
+    ),
+    init=lambda seed: model.init(jax.random.PRNGKey(seed), x_train[:1]),
+    loss_fn=loss_fn,
+    batches=batches,
+    evaluate=evaluate,
+    loss_unit="nats per example",
+    loss_scale=1.0,
+    default_lr=default_lr,
+  )
 
 
 # -- chars ----------------------------------------------------------------
@@ -161,12 +181,15 @@ DEEP_SEQ, DEEP_D_MODEL, DEEP_HEADS, DEEP_LAYERS = 32, 32, 4, 12
 def _block(h, mask, d_model, heads, layers):
   a = hk.LayerNorm(-1, True, True)(h)
   a = hk.MultiHeadAttention(
-      heads, d_model // heads,
-      w_init=hk.initializers.VarianceScaling(1.0 / layers))(a, a, a, mask)
+    heads,
+    d_model // heads,
+    w_init=hk.initializers.VarianceScaling(1.0 / layers),
+  )(a, a, a, mask)
   h = h + a
   m = hk.LayerNorm(-1, True, True)(h)
-  m = hk.Linear(d_model, w_init=hk.initializers.VarianceScaling(
-      1.0 / layers))(jax.nn.gelu(hk.Linear(4 * d_model)(m)))
+  m = hk.Linear(d_model, w_init=hk.initializers.VarianceScaling(1.0 / layers))(
+    jax.nn.gelu(hk.Linear(4 * d_model)(m))
+  )
   return h + m
 
 
@@ -176,10 +199,12 @@ def _lm_of(seq, d_model, heads, layers, stacked):
   def lm(tokens):
     mask = jnp.tril(jnp.ones((seq, seq), bool))[None, None]
     h = hk.Embed(VOCAB, d_model)(tokens)
-    h = h + hk.get_parameter("positions", (seq, d_model),
-                             init=hk.initializers.RandomNormal(0.02))
-    block = functools.partial(_block, mask=mask, d_model=d_model, heads=heads,
-                              layers=layers)
+    h = h + hk.get_parameter(
+      "positions", (seq, d_model), init=hk.initializers.RandomNormal(0.02)
+    )
+    block = functools.partial(
+      _block, mask=mask, d_model=d_model, heads=heads, layers=layers
+    )
     if stacked:
       h = hk.layer_stack(layers, name="blocks")(block)(h)
     else:
@@ -202,34 +227,51 @@ def _stdlib_text(limit: int) -> tuple[bytes, str]:
       break
   if not parts:
     raise FileNotFoundError(
-        f"no Python source files in {root}; pass --text FILE instead.")
+      f"no Python source files in {root}; pass --text FILE instead."
+    )
   return b"\n".join(parts)[:limit], f"Python standard library ({root})"
 
 
-def chars(text: Optional[str] = None, limit: int = 2_000_000) -> Task:
+def chars(text: str | None = None, limit: int = 2_000_000) -> Task:
   """A byte-level transformer LM; the last 10% of the text is held out."""
   return _text_task(
-      "chars", text, limit, SEQ, _lm_of(SEQ, D_MODEL, HEADS, LAYERS, False),
-      f"byte-level transformer LM ({LAYERS} blocks, d_model {D_MODEL}, "
-      f"{HEADS} heads, context {SEQ})",
-      default_lr={"sgd": 0.3, "momentum": 0.1, "adam": 3e-3, "adamw": 3e-3})
+    "chars",
+    text,
+    limit,
+    SEQ,
+    _lm_of(SEQ, D_MODEL, HEADS, LAYERS, False),
+    f"byte-level transformer LM ({LAYERS} blocks, d_model {D_MODEL}, "
+    f"{HEADS} heads, context {SEQ})",
+    default_lr={"sgd": 0.3, "momentum": 0.1, "adam": 3e-3, "adamw": 3e-3},
+  )
 
 
-def deep_transformer(text: Optional[str] = None,
-                     limit: int = 2_000_000) -> Task:
+def deep_transformer(text: str | None = None, limit: int = 2_000_000) -> Task:
   """The chars LM, 12 narrow blocks deep, the blocks under hk.layer_stack."""
   return _text_task(
-      "deep_transformer", text, limit, DEEP_SEQ,
-      _lm_of(DEEP_SEQ, DEEP_D_MODEL, DEEP_HEADS, DEEP_LAYERS, True),
-      f"byte-level transformer LM ({DEEP_LAYERS} blocks under "
-      f"hk.layer_stack, d_model {DEEP_D_MODEL}, {DEEP_HEADS} heads, context "
-      f"{DEEP_SEQ})",
-      default_lr={"sgd": 0.1, "momentum": 0.1, "adam": 3e-3, "adamw": 3e-3})
+    "deep_transformer",
+    text,
+    limit,
+    DEEP_SEQ,
+    _lm_of(DEEP_SEQ, DEEP_D_MODEL, DEEP_HEADS, DEEP_LAYERS, True),
+    f"byte-level transformer LM ({DEEP_LAYERS} blocks under "
+    f"hk.layer_stack, d_model {DEEP_D_MODEL}, {DEEP_HEADS} heads, context "
+    f"{DEEP_SEQ})",
+    default_lr={"sgd": 0.1, "momentum": 0.1, "adam": 3e-3, "adamw": 3e-3},
+  )
 
 
-def _text_task(name, text, limit, seq, forward, model_description,
-               default_lr, compute_dtype=None,
-               default_optimizer="adam") -> Task:
+def _text_task(
+  name,
+  text,
+  limit,
+  seq,
+  forward,
+  model_description,
+  default_lr,
+  compute_dtype=None,
+  default_optimizer="adam",
+) -> Task:
   """A byte-level LM task on ``text`` (default: the standard library)."""
   if text is None:
     data, source = _stdlib_text(limit)
@@ -238,12 +280,15 @@ def _text_task(name, text, limit, seq, forward, model_description,
       data, source = f.read()[:limit], text
   tokens = np.frombuffer(data, np.uint8).astype(np.int32)
   if len(tokens) < 20 * (seq + 1):
-    raise ValueError(f"the text {source!r} is too short: {len(tokens)} "
-                     f"bytes, need at least {20 * (seq + 1)}.")
+    raise ValueError(
+      f"the text {source!r} is too short: {len(tokens)} "
+      f"bytes, need at least {20 * (seq + 1)}."
+    )
   split = int(0.9 * len(tokens))
   train, heldout = tokens[:split], tokens[split:]
-  model = hk.without_apply_rng(hk.transform(immgrad.haiku.immediate(
-      forward, compute_dtype=compute_dtype)))
+  model = hk.without_apply_rng(
+    hk.transform(immgrad.haiku.immediate(forward, compute_dtype=compute_dtype))
+  )
 
   def windows(stream, starts):
     index = starts[:, None] + np.arange(seq + 1)[None]
@@ -253,18 +298,22 @@ def _text_task(name, text, limit, seq, forward, model_description,
   def loss_fn(params, inputs, targets):
     logits = model.apply(params, inputs).astype(jnp.float32)
     return optax.softmax_cross_entropy_with_integer_labels(
-        logits, targets).mean()
+      logits, targets
+    ).mean()
 
   eval_loss = jax.jit(loss_fn)
   fixed = np.random.default_rng(0)
   train_eval = windows(train, fixed.integers(0, len(train) - seq - 1, 128))
-  heldout_eval = windows(heldout,
-                         fixed.integers(0, len(heldout) - seq - 1, 128))
+  heldout_eval = windows(
+    heldout, fixed.integers(0, len(heldout) - seq - 1, 128)
+  )
   bits = 1 / math.log(2)
 
   def evaluate(params):
-    return {"train_loss": float(eval_loss(params, *train_eval)) * bits,
-            "heldout_loss": float(eval_loss(params, *heldout_eval)) * bits}
+    return {
+      "train_loss": float(eval_loss(params, *train_eval)) * bits,
+      "heldout_loss": float(eval_loss(params, *heldout_eval)) * bits,
+    }
 
   def batches(seed, size):
     rng = np.random.default_rng(seed)
@@ -272,21 +321,31 @@ def _text_task(name, text, limit, seq, forward, model_description,
       yield windows(train, rng.integers(0, len(train) - seq - 1, size))
 
   return Task(
-      name=name,
-      description=(f"{model_description} on {len(tokens):,} bytes of "
-                   f"{source}, last 10% held out"),
-      init=lambda seed: model.init(jax.random.PRNGKey(seed), train_eval[0]),
-      loss_fn=loss_fn, batches=batches, evaluate=evaluate,
-      loss_unit="bits per byte", loss_scale=bits, default_lr=default_lr,
-      default_optimizer=default_optimizer)
+    name=name,
+    description=(
+      f"{model_description} on {len(tokens):,} bytes of "
+      f"{source}, last 10% held out"
+    ),
+    init=lambda seed: model.init(jax.random.PRNGKey(seed), train_eval[0]),
+    loss_fn=loss_fn,
+    batches=batches,
+    evaluate=evaluate,
+    loss_unit="bits per byte",
+    loss_scale=bits,
+    default_lr=default_lr,
+    default_optimizer=default_optimizer,
+  )
 
 
 # -- lm: a GPT-style decoder ----------------------------------------------
 
 # size -> (blocks, d_model, heads, context). small: ~10.9M parameters,
 # base: GPT-2 small's 85M non-embedding parameters (a byte vocabulary).
-LM_SIZES = {"tiny": (2, 64, 4, 64), "small": (6, 384, 6, 512),
-            "base": (12, 768, 12, 512)}
+LM_SIZES = {
+  "tiny": (2, 64, 4, 64),
+  "small": (6, 384, 6, 512),
+  "base": (12, 768, 12, 512),
+}
 LM_DEFAULT_LR = {"tiny": 3e-3, "small": 1e-3, "base": 6e-4}  # adam(w).
 
 
@@ -329,8 +388,12 @@ def _gpt(blocks: int, d_model: int, heads: int, seq: int, remat: bool):
   return lm
 
 
-def lm(text: Optional[str] = None, size: str = "tiny",
-       compute_dtype: Optional[Any] = "auto", remat: bool = False) -> Task:
+def lm(
+  text: str | None = None,
+  size: str = "tiny",
+  compute_dtype: Any | None = "auto",
+  remat: bool = False,
+) -> Task:
   """A GPT-style byte-level LM (``LM_SIZES``); last 10% of the text held out.
 
   ``compute_dtype``: ``"auto"`` is bfloat16 for ``small`` and ``base`` on an
@@ -341,25 +404,39 @@ def lm(text: Optional[str] = None, size: str = "tiny",
   ``remat``: every block under ``hk.remat`` (less memory, ~23% more FLOPs).
   """
   if size not in LM_SIZES:
-    raise ValueError(f"unknown lm size {size!r}: choose one of "
-                     f"{', '.join(LM_SIZES)}.")
+    raise ValueError(
+      f"unknown lm size {size!r}: choose one of {', '.join(LM_SIZES)}."
+    )
   blocks, d_model, heads, seq = LM_SIZES[size]
   if compute_dtype == "auto":
-    compute_dtype = (jnp.bfloat16 if size != "tiny" and
-                     jax.default_backend() != "cpu" else None)
+    compute_dtype = (
+      jnp.bfloat16
+      if size != "tiny" and jax.default_backend() != "cpu"
+      else None
+    )
   dtype = jnp.dtype(compute_dtype or jnp.float32).name
   lr = LM_DEFAULT_LR[size]
   return _text_task(
-      f"lm_{size}", text, 2_000_000 if size == "tiny" else 100_000_000, seq,
-      _gpt(blocks, d_model, heads, seq, remat),
-      f"GPT-style byte-level LM '{size}' ({blocks} pre-LN blocks, d_model "
-      f"{d_model}, {heads} heads, context {seq}, learned positions, "
-      f"{dtype} compute, float32 weights"
-      f"{', blocks under hk.remat' if remat else ''})",
-      default_lr={"sgd": 0.3, "momentum": 0.1, "adam": lr, "adamw": lr},
-      compute_dtype=compute_dtype, default_optimizer="adamw")
+    f"lm_{size}",
+    text,
+    2_000_000 if size == "tiny" else 100_000_000,
+    seq,
+    _gpt(blocks, d_model, heads, seq, remat),
+    f"GPT-style byte-level LM '{size}' ({blocks} pre-LN blocks, d_model "
+    f"{d_model}, {heads} heads, context {seq}, learned positions, "
+    f"{dtype} compute, float32 weights"
+    f"{', blocks under hk.remat' if remat else ''})",
+    default_lr={"sgd": 0.3, "momentum": 0.1, "adam": lr, "adamw": lr},
+    compute_dtype=compute_dtype,
+    default_optimizer="adamw",
+  )
 
 
-TASKS = {"digits": digits, "chars": chars, "deep_mlp": deep_mlp,
-         "deep_transformer": deep_transformer, "lm": lm}
+TASKS = {
+  "digits": digits,
+  "chars": chars,
+  "deep_mlp": deep_mlp,
+  "deep_transformer": deep_transformer,
+  "lm": lm,
+}
 TEXT_TASKS = ("chars", "deep_transformer", "lm")  # Those that take --text.

@@ -30,13 +30,13 @@ counted as a divergence.
 import dataclasses
 import math
 import time
-from typing import Any, Optional
+from typing import Any
 
 import jax
-import numpy as np
-import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+import numpy as np
+import optax
 
 import immgrad
 
@@ -78,19 +78,24 @@ def decay_mask(params: Any) -> Any:
   (``hk.layer_stack``) are masked like unrolled ones.
   """
   return jax.tree_util.tree_map_with_path(
-      lambda path, _: getattr(path[-1], "key", None) not in _NOT_DECAYED,
-      params)
+    lambda path, _: getattr(path[-1], "key", None) not in _NOT_DECAYED, params
+  )
 
 
 def schedule(lr: float, steps: int) -> optax.Schedule:
   """Linear warm-up from 0 over 5% of the steps, cosine decay to lr / 10."""
   return optax.warmup_cosine_decay_schedule(
-      0.0, lr, warmup_steps=max(1, steps // 20), decay_steps=steps,
-      end_value=lr / 10)
+    0.0,
+    lr,
+    warmup_steps=max(1, steps // 20),
+    decay_steps=steps,
+    end_value=lr / 10,
+  )
 
 
-def optimizer(name: str, lr: float,
-              steps: int = 1000) -> optax.GradientTransformation:
+def optimizer(
+  name: str, lr: float, steps: int = 1000
+) -> optax.GradientTransformation:
   """``name`` at ``lr``; ``adamw`` with :func:`schedule` over ``steps``.
 
   adamw is the language-model recipe: betas (0.9, 0.95), weight decay
@@ -104,24 +109,31 @@ def optimizer(name: str, lr: float,
   if name == "adam":
     return optax.adam(lr)
   if name == "adamw":
-    return optax.adamw(schedule(lr, steps), b1=0.9, b2=0.95,
-                       weight_decay=WEIGHT_DECAY, mask=decay_mask)
-  raise ValueError(f"unknown optimizer {name!r}: choose sgd, momentum, adam "
-                   "or adamw.")
+    return optax.adamw(
+      schedule(lr, steps),
+      b1=0.9,
+      b2=0.95,
+      weight_decay=WEIGHT_DECAY,
+      mask=decay_mask,
+    )
+  raise ValueError(
+    f"unknown optimizer {name!r}: choose sgd, momentum, adam or adamw."
+  )
 
 
 @dataclasses.dataclass
 class Run:
   """One method's record of one training run."""
+
   method: str
   losses: list = dataclasses.field(default_factory=list)  # Per step.
   seconds: list = dataclasses.field(default_factory=list)  # Per step.
   evals: list = dataclasses.field(default_factory=list)  # {"step", ...}.
-  diverged_at: Optional[int] = None  # First step with a non-finite loss.
+  diverged_at: int | None = None  # First step with a non-finite loss.
   compile_seconds: float = 0.0
   final_params: Any = None  # On the host, after the last step.
   # measure_dx: layer name -> per step |dX_updated - dX_current| / |dX_current|.
-  dx_change: Optional[dict] = None
+  dx_change: dict | None = None
 
 
 def layer_name(path) -> str:
@@ -130,8 +142,9 @@ def layer_name(path) -> str:
   Haiku names a module's parameters ``params[module][name]``, so this is the
   module's name (``"linear_3"``, ``"blocks/~/multi_head_attention/query"``).
   """
-  keys = [getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))
-          for k in path]
+  keys = [
+    getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path
+  ]
   return "/".join(str(k) for k in keys[:-1]) or str(keys[-1])
 
 
@@ -153,12 +166,16 @@ def _step_fn(method, mode, task, opt, mesh, measure_dx=False):
       loss, grads = jax.value_and_grad(task.loss_fn)(params, inputs, targets)
       grads = jax.lax.pmean(grads, AXIS)
       updates, opt_state = tx.update(grads, opt_state, params)
-      return (optax.apply_updates(params, updates), opt_state,
-              jax.lax.pmean(loss, AXIS))
+      return (
+        optax.apply_updates(params, updates),
+        opt_state,
+        jax.lax.pmean(loss, AXIS),
+      )
   else:
     tx = immgrad.shim(opt, atomic=False)
-    grad_fn = immgrad.value_and_grad(task.loss_fn, tx, mode=mode,
-                                     axis_name=AXIS, measure_dx=measure_dx)
+    grad_fn = immgrad.value_and_grad(
+      task.loss_fn, tx, mode=mode, axis_name=AXIS, measure_dx=measure_dx
+    )
     if measure_dx:
       dx_out = (P(),)  # Already averaged over the axis: replicated.
 
@@ -166,20 +183,37 @@ def _step_fn(method, mode, task, opt, mesh, measure_dx=False):
       loss, grads, *dx = grad_fn(params, opt_state, inputs, targets)
       updates, opt_state = tx.update(grads, opt_state, params)
       dx = (_per_layer(dx[0]),) if measure_dx else ()
-      return (optax.apply_updates(params, updates), opt_state,
-              jax.lax.pmean(loss, AXIS), *dx)
+      return (
+        optax.apply_updates(params, updates),
+        opt_state,
+        jax.lax.pmean(loss, AXIS),
+        *dx,
+      )
 
-  sharded = jax.shard_map(step, mesh=mesh,
-                          in_specs=(P(), P(), P(AXIS), P(AXIS)),
-                          out_specs=(P(), P(), P()) + dx_out,
-                          check_vma=False)
+  sharded = jax.shard_map(
+    step,
+    mesh=mesh,
+    in_specs=(P(), P(), P(AXIS), P(AXIS)),
+    out_specs=(P(), P(), P()) + dx_out,
+    check_vma=False,
+  )
   return tx, jax.jit(sharded, donate_argnums=(0, 1))
 
 
-def train(task, *, optimizer_name: str, lr: float, steps: int,
-          batch_size: int, seed: int, eval_every: int,
-          progress=None, methods: Optional[dict] = None,
-          measure_dx: bool = False, devices=None) -> dict[str, Run]:
+def train(
+  task,
+  *,
+  optimizer_name: str,
+  lr: float,
+  steps: int,
+  batch_size: int,
+  seed: int,
+  eval_every: int,
+  progress=None,
+  methods: dict | None = None,
+  measure_dx: bool = False,
+  devices=None,
+) -> dict[str, Run]:
   """Trains ``task`` with every method; returns their records.
 
   ``methods``: name -> mode, from :func:`methods_of` (default: plain,
@@ -191,8 +225,10 @@ def train(task, *, optimizer_name: str, lr: float, steps: int,
   names = tuple(methods)
   devices = list(devices or jax.devices())
   if batch_size % len(devices):
-    raise ValueError(f"--batch-size {batch_size} must be a multiple of the "
-                     f"number of devices ({len(devices)}).")
+    raise ValueError(
+      f"--batch-size {batch_size} must be a multiple of the "
+      f"number of devices ({len(devices)})."
+    )
   mesh = jax.make_mesh((len(devices),), (AXIS,), devices=devices)
   replicated = NamedSharding(mesh, P())
   split = NamedSharding(mesh, P(AXIS))
@@ -201,16 +237,21 @@ def train(task, *, optimizer_name: str, lr: float, steps: int,
   first = next(task.batches(seed, batch_size))
   runs, state, compiled = {}, {}, {}
   for method, mode in methods.items():
-    tx, step = _step_fn(method, mode, task,
-                        optimizer(optimizer_name, lr, steps), mesh,
-                        measure_dx=measure_dx)
+    tx, step = _step_fn(
+      method,
+      mode,
+      task,
+      optimizer(optimizer_name, lr, steps),
+      mesh,
+      measure_dx=measure_dx,
+    )
     params = jax.device_put(init, replicated)
     opt_state = jax.device_put(tx.init(init), replicated)
     start = time.perf_counter()
-    compiled[method] = step.lower(params, opt_state,
-                                  *jax.device_put(first, split)).compile()
-    runs[method] = Run(method,
-                       compile_seconds=time.perf_counter() - start)
+    compiled[method] = step.lower(
+      params, opt_state, *jax.device_put(first, split)
+    ).compile()
+    runs[method] = Run(method, compile_seconds=time.perf_counter() - start)
     if measure_dx and mode is not None:
       runs[method].dx_change = {}
     state[method] = (params, opt_state)
@@ -243,8 +284,9 @@ def train(task, *, optimizer_name: str, lr: float, steps: int,
       evaluate(i + 1)
     if progress is not None:
       progress.update(1)
-      progress.set_postfix({m: f"{r.losses[-1]:.3f}" if r.losses else "-"
-                            for m, r in runs.items()})
+      progress.set_postfix(
+        {m: f"{r.losses[-1]:.3f}" if r.losses else "-" for m, r in runs.items()}
+      )
   for method in names:
     runs[method].final_params = jax.device_get(state[method][0])
   return runs
@@ -262,5 +304,7 @@ def _record_dx(record: dict, measured: dict) -> None:
 
 
 def max_param_difference(a: Any, b: Any) -> float:
-  return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
-             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+  return max(
+    float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+  )
