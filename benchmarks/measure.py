@@ -217,7 +217,7 @@ def hlo_counts(text: str) -> dict[str, int]:
   return {op: counts.get(op, 0) for op in _COUNTED}
 
 
-def device_ops(compiled, state, batch, steps: int, top: int = 25):
+def device_ops(compiled, state, batch, steps: int, top: int = 400):
   """Device time per operation over ``steps`` steps, from a profiler trace.
 
   Returns the times and the state after those steps.
@@ -243,7 +243,8 @@ def device_ops(compiled, state, batch, steps: int, top: int = 25):
       for line in plane.lines:
         total = collections.Counter()
         for event in line.events:
-          total[event.name] += event.duration_ns / 1e3 / steps
+          name = event.name.split(", metadata=")[0]  # The instruction.
+          total[name] += event.duration_ns / 1e3 / steps
         lines[f"{plane.name} | {line.name}"] = {
           "total_us": sum(total.values()),
           "ops": len(total),

@@ -149,6 +149,26 @@ def commit_layers(levels: list, grad, state, old_writes, weights, ok):
   return updates, [buffers[k] for k in program.writes]
 
 
+def by_select() -> bool:
+  """Whether atomic commits select (an accelerator) or branch (the CPU).
+
+  On a TPU or GPU a commit is elementwise, ``where(ok, new, old)``, which
+  XLA fuses with the step and ``optax.apply_updates`` into one pass over
+  the weights and state, written in place; a ``lax.cond`` per leaf there
+  blocks that fusion and moves about twice the bytes (docs/tpu.md). On the
+  CPU the conds keep the peak memory low (``docs/design.md``): XLA's CPU
+  scheduler computes the selected values before it frees the old ones. The
+  choice follows ``jax.default_backend()``, where a step runs unless it is
+  placed elsewhere.
+  """
+  return jax.default_backend() != "cpu"
+
+
+def select(ok, new, old):
+  """``new`` where ``ok``, else ``old``, leaf by leaf (``ok`` a bool)."""
+  return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+
+
 def all_finite(tree: Any) -> jax.Array:
   """Whether every float value in ``tree`` is finite, as one bool.
 

@@ -172,6 +172,8 @@ def shim(
       return (jnp.full_like(p, -0.0), [old[k] for k in plan.leaves[i].writes])
 
     def commit_if(ok, i, g, s, p):
+      if commit_lib.by_select():
+        return commit_lib.select(ok, commit(i, g, s, p), keep(i, g, s, p))
       if isinstance(g, ImmediateGrad) and g.layer_axes:
         levels = commit_lib.layers(
           tx, params, i, g.layer_axes, s, plan.shared_positions, paths[i]
@@ -194,9 +196,7 @@ def shim(
         commit_if(ok, i, *args)
         for i, args in enumerate(zip(grads, parts, leaves))
       ]
-      shared = lax.cond(
-        ok, lambda new, _: new, lambda _, kept: kept, shared, shared_old
-      )
+      shared = commit_lib.select(ok, shared, shared_old)
       rejected = rejected + jnp.where(ok, 0, 1).astype(rejected.dtype)
     else:
       committed = [
