@@ -1,4 +1,9 @@
-"""A non-finite gradient in a middle layer rejects the whole step."""
+"""A non-finite gradient in a middle layer rejects the whole step.
+
+Every test runs both commits (``commit.by_select``): a ``lax.cond`` per
+parameter, what the CPU runs, and an elementwise select, what a TPU or GPU
+runs; CI has no accelerator, so the select is checked here on the CPU.
+"""
 
 import chex
 import jax
@@ -7,7 +12,14 @@ import optax
 import pytest
 
 import immgrad
+from immgrad._src import commit
 import oracles
+
+
+@pytest.fixture(autouse=True, params=["cond", "select"])
+def commit_by(request, monkeypatch):
+  monkeypatch.setattr(commit, "by_select", lambda: request.param == "select")
+  return request.param
 
 
 @jax.custom_vjp

@@ -17,6 +17,7 @@ import optax
 import pytest
 
 import immgrad
+from immgrad._src import commit
 from immgrad._src import compat
 import oracles
 
@@ -414,11 +415,17 @@ def test_checkpoint_inside_scan_updates_once():
     mode="current",
   )
   jax.effects_barrier()
-  # Two calls per parameter leaf (w and b of each layer, and the head) and
-  # step: the backward rule and the commit each step every layer's slice
-  # once; and one for the shared step count. A rematerialised backward rule
-  # would make the first term three.
-  assert len(calls) == (2 * len(jax.tree.leaves(unrolled)) + 1) * STEPS
+  # Per step: one call per layer's slice of each leaf (w and b of each
+  # layer, and the head's) in the backward rules, which a rematerialised
+  # backward rule would make two; the commit's calls, one per slice where it
+  # loops over the layers under conds (the CPU), one per stacked leaf where
+  # it steps the whole stack at once (vmapped) and selects (accelerators,
+  # commit.by_select); and one for the shared step count.
+  slices = len(jax.tree.leaves(unrolled))
+  commits = len(jax.tree.leaves(_stacked(unrolled)))
+  if not commit.by_select():
+    commits = slices
+  assert len(calls) == (slices + commits + 1) * STEPS
   oracles.assert_runs_close(
     got,
     _expected("current", optax.adam(1e-2), chain, unrolled, data),
