@@ -127,13 +127,20 @@ def main_accelerator(args) -> int:
     if args.models and not any(m in name for m in args.models):
       continue
     print(f"measuring {name} ...", file=sys.stderr, flush=True)
-    figures = measure.measure_alone(
-      make(),
-      warmup=3,
-      repeats=20,
-      hlo_dir=args.hlo_dir and os.path.join(args.hlo_dir, _slug(name)),
-      profile=bool(args.profile) and any(p in name for p in args.profile),
-    )
+    figures = {}
+    for candidate in make():  # Saved after each: a later one may not fit.
+      figures.update(
+        measure.measure_alone(
+          [candidate],
+          warmup=3,
+          repeats=20,
+          hlo_dir=args.hlo_dir and os.path.join(args.hlo_dir, _slug(name)),
+          profile=bool(args.profile) and any(p in name for p in args.profile),
+        )
+      )
+      results["models"][name] = {"figures": figures, "partial": True}
+      with open(path, "w") as f:
+        json.dump(results, f, indent=1)
     entry = {"figures": figures}
     if twin is not None:  # A loop's FLOPs, from the same model unrolled.
       if isinstance(twin, str):

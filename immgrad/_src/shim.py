@@ -17,9 +17,11 @@ program's step. The state that belongs to no parameter (the step count, a
 PRNG key) is stepped once.
 
 Atomic steps: every layer checked its own step in the backward pass, and
-the commit runs under ``lax.cond`` on the step's finiteness, so a rejected
-step writes nothing, and a clean one updates the weights and state in
-place, as plain training does.
+the commit is gated on the step's finiteness, so a rejected step writes
+nothing, and a clean one updates the weights and state in place, as plain
+training does: by an elementwise select on an accelerator, which XLA fuses
+with the step, and by a ``lax.cond`` per parameter on the CPU, which keeps
+its peak memory low (``commit.by_select``).
 
 So ``tx`` must act on each parameter on its own. ``plan.py`` follows the
 data flow of ``tx.update``, and ``refusal.py`` refuses a transformation
@@ -81,9 +83,9 @@ def shim(
   backward rule, an ordinary parameter's here); if any is NaN or infinite
   the whole step is rejected: every update is ``-0.0`` (so every weight,
   ``-0.0`` included, stays bit for bit as it was), every state keeps its
-  old value, and ``state.rejected`` counts the step. The commit is one
-  ``lax.cond`` on that check, so a clean step updates the weights and
-  state in place; what the check keeps alive is the step's gradients (as
+  old value, and ``state.rejected`` counts the step. The commit is gated
+  on that check (a select on a TPU or GPU, a ``lax.cond`` per parameter on
+  the CPU), so a clean step updates the weights and state in place; what the check keeps alive is the step's gradients (as
   ``optax.apply_if_finite`` does), not a second copy of the weights and
   state. ``atomic=False`` leaves a non-finite step half applied.
 
