@@ -5,12 +5,14 @@ layer's backward rule (for ``dX`` in ``mode="updated"``, and to check the
 step), and by the shim, which commits it once the whole step is known to be
 finite. :func:`step_parameter` is that one computation.
 
-Atomic commits write nothing until the step's single finiteness flag is
-known, and then write in place, as plain training's update does. For an
-unstacked parameter the shim runs the commit under a ``lax.cond``. A
-stacked parameter (``immgrad.scan``) is one large leaf, whose update would
-need a buffer as large as its gradient; :func:`commit_layers` instead writes
-it layer by layer into the gradient's own buffer and the state's, in place.
+:class:`Step` is the shim's commit of a whole step. Atomic commits write
+nothing until the step's single finiteness flag is known, and then write in
+place, as plain training's update does: on a TPU or GPU by a select, which
+XLA fuses with the step (:func:`by_select`); on the CPU under a
+``lax.cond`` per parameter. There a stacked parameter (``immgrad.scan``) is
+one large leaf, whose update would need a buffer as large as its gradient;
+:func:`commit_layers` instead writes it layer by layer into the gradient's
+own buffer and the state's, in place.
 
 The two computations are the same optax arithmetic, compiled twice: XLA may
 fuse them differently (contract a multiply and an add into one fused
@@ -32,6 +34,8 @@ import optax
 
 from immgrad._src import plan as plan_lib
 from immgrad._src import stacked
+from immgrad._src.base import ImmediateGrad
+from immgrad._src.base import Stepped
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -147,6 +151,114 @@ def commit_layers(levels: list, grad, state, old_writes, weights, ok):
     0, jnp.shape(weights)[0], body, (grad, buffers)
   )
   return updates, [buffers[k] for k in program.writes]
+
+
+class Step:
+  """The shim's commit of one step: each parameter's update and new state.
+
+  ``tx`` on ``params``, cut into per-parameter programs by ``plan``
+  (``plan.py``); ``paths`` name the params' leaves in errors.
+  """
+
+  def __init__(self, tx, params, plan: plan_lib.Plan, paths: list):
+    self.tx, self.params, self.plan, self.paths = tx, params, plan, paths
+
+  def commit(self, grads: list, old: list, atomic: bool):
+    """``(updates, new state leaves, ok)`` for the flat ``grads``.
+
+    ``old`` holds ``tx``'s state leaves. With ``atomic``, ``ok`` is whether
+    the whole step is finite, and a step that is not writes ``-0.0``
+    updates and the old state; else ``ok`` is None.
+    """
+    plan, leaves = self.plan, jax.tree.leaves(self.params)
+    parts = [[old[k] for k in leaf.reads] for leaf in plan.leaves]
+    shared_old = [old[k] for k in plan.shared_positions]
+    shared = list(plan.shared(*shared_old))
+    args = list(enumerate(zip(grads, parts, leaves)))
+    ok = None
+    if atomic:
+      ok = self._finite(grads, parts, leaves, shared)
+      committed = [self._commit_if(ok, i, *a, old) for i, a in args]
+      shared = select(ok, shared, shared_old)
+    else:
+      committed = [self._step(i, *a, old) for i, a in args]
+    new = list(old)
+    for program, (_, writes) in zip(plan.leaves, committed):
+      for k, value in zip(program.writes, writes):
+        new[k] = value
+    for k, value in zip(plan.shared_positions, shared):
+      new[k] = value
+    return [update for update, _ in committed], new, ok
+
+  def _levels(self, i: int, g: ImmediateGrad, s: list) -> list:
+    return layers(
+      self.tx,
+      self.params,
+      i,
+      g.layer_axes,
+      s,
+      self.plan.shared_positions,
+      self.paths[i],
+    )
+
+  def _step(self, i, g, s, p, old):
+    """Parameter ``i``'s update and the state leaves its program writes."""
+    program = self.plan.leaves[i]
+    if isinstance(g, ImmediateGrad):
+      new, s = step_layers(self._levels(i, g, s), g.grad, s, p)
+      return landing(new, p), list(s)
+    if isinstance(g, Stepped):
+      kept = [old[k] for k in program.writes]
+      return landing(g.params, p), kept if g.state is None else list(g.state)
+    update, s = program(g, p, s)
+    return update, list(s)
+
+  def _keep(self, i, p, old):
+    writes = self.plan.leaves[i].writes
+    return jnp.full_like(p, -0.0), [old[k] for k in writes]
+
+  def _commit_if(self, ok, i, g, s, p, old):
+    """:meth:`_step` if ``ok``, else :meth:`_keep`, by backend."""
+    if by_select():
+      return select(ok, self._step(i, g, s, p, old), self._keep(i, p, old))
+    if isinstance(g, ImmediateGrad) and g.layer_axes:
+      writes = [old[k] for k in self.plan.leaves[i].writes]
+      return commit_layers(self._levels(i, g, s), g.grad, s, writes, p, ok)
+    # One cond per parameter: each update's buffer lives only until it is
+    # applied, where one cond for all would hold every update at once.
+    return lax.cond(
+      ok,
+      lambda g, s, p: self._step(i, g, s, p, old),
+      lambda g, s, p: self._keep(i, p, old),
+      g,
+      s,
+      p,
+    )
+
+  def _finite(self, grads, parts, leaves, shared) -> jax.Array:
+    """Whether every gradient, new weight and new state is finite.
+
+    An immediate parameter's layer checked its own step in the backward
+    pass; the rest are checked here, and ``shared``, the new state shared
+    by all.
+    """
+    nonfinite, checks = [], [shared]
+    for i, (g, s, p) in enumerate(zip(grads, parts, leaves)):
+      if isinstance(g, ImmediateGrad) and g.nonfinite is not None:
+        nonfinite.append(g.nonfinite)
+      elif isinstance(g, ImmediateGrad):
+        checks.append(
+          (g.grad, step_layers(self._levels(i, g, s), g.grad, s, p))
+        )
+      elif isinstance(g, Stepped):
+        checks.append(g)
+      else:
+        checks.append((g, self.plan.leaves[i](g, p, s)))
+    ok = all_finite(checks)
+    # One step's layers all report through the same scalar: count it once.
+    for count in {id(n): n for n in nonfinite}.values():
+      ok = ok & (count == 0)
+    return ok
 
 
 def by_select() -> bool:

@@ -30,12 +30,9 @@ global estimate kept in the state) with an error naming it, instead of
 letting it silently do something else.
 """
 
-import functools
 from typing import Any
 
-import chex
 import jax
-from jax import lax
 import jax.numpy as jnp
 import optax
 
@@ -145,72 +142,15 @@ def shim(
       )
     keyed, treedef = jax.tree_util.tree_flatten_with_path(params)
     paths = [jax.tree_util.keystr(path) for path, _ in keyed]
-    leaves = [leaf for _, leaf in keyed]
     grads = flatten_like(treedef, grads, "grads")
-    for path, g, p in zip(paths, grads, leaves):
+    for path, g, (_, p) in zip(paths, grads, keyed):
       _check_like(path, _value_of(g), p)
     plan = refusal.cut(tx, params)
-    old = state_leaves(plan, state)
-    parts = [[old[k] for k in leaf.reads] for leaf in plan.leaves]
-
-    def commit(i, g, s, p):
-      program = plan.leaves[i]
-      if isinstance(g, ImmediateGrad):
-        levels = commit_lib.layers(
-          tx, params, i, g.layer_axes, s, plan.shared_positions, paths[i]
-        )
-        new, s = commit_lib.step_layers(levels, g.grad, s, p)
-        return commit_lib.landing(new, p), list(s)
-      if isinstance(g, Stepped):
-        kept = [old[k] for k in program.writes]
-        return commit_lib.landing(g.params, p), (
-          kept if g.state is None else list(g.state)
-        )
-      update, s = program(g, p, s)
-      return update, list(s)
-
-    def keep(i, g, s, p):
-      del g, s
-      return (jnp.full_like(p, -0.0), [old[k] for k in plan.leaves[i].writes])
-
-    def commit_if(ok, i, g, s, p):
-      if commit_lib.by_select():
-        return commit_lib.select(ok, commit(i, g, s, p), keep(i, g, s, p))
-      if isinstance(g, ImmediateGrad) and g.layer_axes:
-        levels = commit_lib.layers(
-          tx, params, i, g.layer_axes, s, plan.shared_positions, paths[i]
-        )
-        return commit_lib.commit_layers(
-          levels, g.grad, s, [old[k] for k in plan.leaves[i].writes], p, ok
-        )
-      # One cond per parameter: each update's buffer lives only until it is
-      # applied, where one cond for all would hold every update at once.
-      return lax.cond(
-        ok, functools.partial(commit, i), functools.partial(keep, i), g, s, p
-      )
-
-    shared_old = [old[k] for k in plan.shared_positions]
-    shared = list(plan.shared(*shared_old))
+    step = commit_lib.Step(tx, params, plan, paths)
+    updates, new, ok = step.commit(grads, state_leaves(plan, state), atomic)
     rejected = state.rejected
-    if atomic:
-      ok = _finite(tx, params, plan, paths, grads, parts, leaves, shared)
-      committed = [
-        commit_if(ok, i, *args)
-        for i, args in enumerate(zip(grads, parts, leaves))
-      ]
-      shared = commit_lib.select(ok, shared, shared_old)
+    if ok is not None:
       rejected = rejected + jnp.where(ok, 0, 1).astype(rejected.dtype)
-    else:
-      committed = [
-        commit(i, *args) for i, args in enumerate(zip(grads, parts, leaves))
-      ]
-    new = list(old)
-    for program, (_, writes) in zip(plan.leaves, committed):
-      for k, value in zip(program.writes, writes):
-        new[k] = value
-    for k, value in zip(plan.shared_positions, shared):
-      new[k] = value
-    updates = [update for update, _ in committed]
     return (
       treedef.unflatten(updates),
       ShimState(inner=plan.state_def.unflatten(new), rejected=rejected),
@@ -222,35 +162,7 @@ def shim(
   return result
 
 
-def _finite(
-  tx, params, plan, paths, grads, parts, leaves, shared
-) -> chex.Array:
-  """Whether every gradient, new weight and new state of the step is finite.
-
-  An immediate parameter's layer checked its own step in the backward pass;
-  the rest are checked here, and ``shared``, the new state shared by all.
-  """
-  nonfinite, checks = [], [shared]
-  for i, (g, s, p) in enumerate(zip(grads, parts, leaves)):
-    if isinstance(g, ImmediateGrad) and g.nonfinite is not None:
-      nonfinite.append(g.nonfinite)
-    elif isinstance(g, ImmediateGrad):
-      levels = commit_lib.layers(
-        tx, params, i, g.layer_axes, s, plan.shared_positions, paths[i]
-      )
-      checks.append((g.grad, commit_lib.step_layers(levels, g.grad, s, p)))
-    elif isinstance(g, Stepped):
-      checks.append(g)
-    else:
-      checks.append((g, plan.leaves[i](g, p, s)))
-  ok = commit_lib.all_finite(checks)
-  # One step's layers all report through the same scalar: count it once.
-  for count in {id(n): n for n in nonfinite}.values():
-    ok = ok & (count == 0)
-  return ok
-
-
-def _value_of(g) -> chex.Array:
+def _value_of(g) -> jax.Array:
   if isinstance(g, ImmediateGrad):
     return g.grad
   if isinstance(g, Stepped):
