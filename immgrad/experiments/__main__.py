@@ -11,8 +11,8 @@ update that dX sees (``mode=a``), compared with ``a=0``; with
 plotted (``dx_change.png``). A study too long for one process splits into
 runs by ``--lr``, ``--seeds`` and ``--methods``, each with its own
 ``results.json``; ``--merge`` reports them as one run (docs/results/lm.md).
-See ``python -m immgrad.experiments --help`` and the README's "Does it
-train faster?" and "Between the modes".
+See ``python -m immgrad.experiments --help`` and the documentation's
+pages docs/faster.md ("Does it train faster?") and docs/between-modes.md.
 """
 
 import argparse
