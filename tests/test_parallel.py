@@ -6,7 +6,8 @@ reference on the whole batch: plain training for mode="current" (on the
 model with ordinary parameters too, so their averaging is checked), and the
 sequential re-linearization for mode="updated" (with adam, with
 momentum, under which the experiments see "updated" diverge, and with the
-hidden layers stacked under immgrad.scan). Tolerance as in
+hidden layers stacked under immgrad.scan), and both modes once more with
+the layers found by ``immgrad.immediate`` in the undecorated model. Tolerance as in
 test_current.py (atol=1e-6, rtol=1e-5), which also covers the different
 summation order of a mean over 4 devices (one ulp per step). Replicas must
 hold bitwise identical weights after every step.
@@ -75,6 +76,14 @@ def _scanned_problem():
 def _problem(mode, updated_opt="adam"):
   if updated_opt == "scanned":
     return _scanned_problem()
+  if updated_opt == "immediate":  # The layers found by immgrad.immediate.
+    loss_fn, opt, params, data, expected = _problem(mode, "adam")
+    chain = (
+      models.loss_fn()
+      if mode == "current"
+      else oracles.mlp([6, 16, 16, 3], jax.random.PRNGKey(0))[0].loss_fn()
+    )
+    return immgrad.immediate(chain), opt, params, data, expected
   if mode == "current":
     # Not adam: adam is nearly blind to a gradient scaled 4x.
     opt = optax.sgd(0.05, momentum=0.9)
@@ -112,7 +121,9 @@ def _replicas_equal(stacked):
   "mode,updated_opt",
   [
     ("current", None),
+    ("current", "immediate"),
     ("updated", "adam"),
+    ("updated", "immediate"),
     ("updated", "momentum"),
     ("updated", "scanned"),
   ],

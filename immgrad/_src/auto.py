@@ -422,12 +422,25 @@ def _has_program(params: dict) -> bool:
 def _bind(node: _Node, values: list) -> list:
   eqn = node.eqn
   subfuns, params = compat.bind_params(eqn.primitive, eqn.params)
+  if eqn.primitive.name == "pvary":
+    # shard_map(check_vma=True) casts an invariant weight to varying before
+    # it meets the batch. Inside a layer the weight is varying already
+    # (immediate_layer casts it, so that its gradient stays local): cast
+    # only over the axes it does not vary over yet.
+    out = [_to_varying(x, params["axes"]) for x in values]
+    return out if eqn.primitive.multiple_results else out[:1]
   with (
     source_info_util.user_context(eqn.source_info.traceback),
     eqn.ctx.manager,
   ):
     out = eqn.primitive.bind(*subfuns, *values, **params)
   return list(out) if node.eqn.primitive.multiple_results else [out]
+
+
+def _to_varying(x, axes: tuple):
+  """``x`` cast to vary over those of ``axes`` it does not vary over yet."""
+  missing = tuple(a for a in axes if a not in compat.varying_axes(x))
+  return compat.to_varying(x, missing) if missing else x
 
 
 def _run(program: _Program, plan: _Plan, values: list) -> list:
