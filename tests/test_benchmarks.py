@@ -190,7 +190,7 @@ def test_immediate_costs_what_the_adapter_costs(model):
   holding both; here a bias is a layer of its own); peak memory equal on
   the MLP, within +0.8% on the block (its LayerNorms are split into the
   ``mul`` of the scale and the ``add`` of the offset, which keep their
-  own residuals). Under ``hk.layer_stack`` the same split costs +2.8%
+  own residuals). Under ``hk.layer_stack`` the same split costs +2.2%
   (docs/auto.md), which this test does not cover.
   """
   methods = models.IMMEDIATE_METHODS[1:]
