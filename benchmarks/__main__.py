@@ -26,6 +26,12 @@ given strings, ``--merge`` adds them to an existing results file,
 ``--profile`` also traces each method with ``jax.profiler`` and records
 the device time of its longest operations, and ``--hlo-dir`` writes each
 step's optimized HLO. See docs/tpu.md.
+
+``--immediate`` instead measures, on the CPU models, each immgrad method
+built by ``immgrad.immediate`` on the undecorated model against the same
+method built by the model's adapter (``immgrad.immediate_layer``,
+``immgrad.haiku.immediate``), all in one process; writes
+``benchmarks/results_immediate.json`` and prints docs/auto.md's table.
 """
 
 import argparse
@@ -233,7 +239,7 @@ def main(argv=None) -> int:
   parser.add_argument(
     "--models",
     nargs="*",
-    help="accelerator sizes: only models whose names contain one of these",
+    help="only models whose names contain one of these",
   )
   parser.add_argument(
     "--merge",
@@ -249,7 +255,14 @@ def main(argv=None) -> int:
     "--hlo-dir",
     help="accelerator sizes: write each step's optimized HLO under this folder",
   )
+  parser.add_argument(
+    "--immediate",
+    action="store_true",
+    help="CPU sizes: immgrad.immediate against the adapters",
+  )
   args = parser.parse_args(argv)
+  if args.immediate:
+    return main_immediate(args)
   sizes = args.sizes or (
     "cpu" if jax.default_backend() == "cpu" else "accelerator"
   )
@@ -317,6 +330,82 @@ def main(argv=None) -> int:
   _plot(results, os.path.join(args.out, "depth.png"))
   print(table(results))
   return 0
+
+
+def main_immediate(args) -> int:
+  """Each model's immgrad methods through immgrad.immediate and through its
+  adapter, measured interleaved in one process.
+  """
+  s = settings(args.quick)
+  m, t, d = s["mlp"], s["transformer"], s["deep"]
+  methods = models.IMMEDIATE_METHODS
+  results = {
+    "settings": {**s, "optimizer": "adam(1e-3)", "quick": args.quick},
+    "machine": _machine(),
+    "models": {},
+  }
+  leaves = 16 * d["blocks"] + 6
+  for name, make in (
+    (
+      f"MLP {m['depth']}x{m['width']}, batch {m['batch']}",
+      lambda: models.mlp(**m, methods=methods),
+    ),
+    (
+      "MLP 16x1024 under immgrad.scan / lax.scan, batch 64",
+      lambda: models.scanned_mlp(16, 1024, 64, methods=methods),
+    ),
+    (
+      f"Transformer LM (4 blocks, d 256, batch {t['batch']})",
+      lambda: models.transformer(**t, methods=methods),
+    ),
+    (
+      f"Transformer LM, blocks under hk.layer_stack (batch {t['batch']})",
+      lambda: models.transformer(stacked=True, **t, methods=methods),
+    ),
+    (
+      f"Transformer LM ({d['blocks']} blocks, d 128, {leaves} leaves, "
+      f"batch {d['batch']})",
+      lambda: models.transformer(**DEEP, **d, methods=methods),
+    ),
+  ):
+    if args.models and not any(x in name for x in args.models):
+      continue
+    print(f"measuring {name} ...", file=sys.stderr, flush=True)
+    figures = measure.measure(make(), warmup=s["warmup"], repeats=s["repeats"])
+    results["models"][name] = {
+      "figures": figures,
+      "ratios": measure.ratios(figures),
+    }
+  with open(os.path.join(args.out, "results_immediate.json"), "w") as f:
+    json.dump(results, f, indent=1)
+  print(immediate_table(results))
+  return 0
+
+
+def immediate_table(results) -> str:
+  """docs/auto.md's table: immgrad.immediate / the adapter, same run."""
+  keys = ("flops", "peak_bytes", "median_step_seconds", "compile_seconds")
+  rows = [
+    "| model | method | FLOPs | peak memory | step time | compile time "
+    "| adapter: step ms, compile s |",
+    "| --- | --- | --- | --- | --- | --- | --- |",
+  ]
+  for name, entry in results["models"].items():
+    label = name
+    for method, auto in entry["figures"].items():
+      if "(immediate" not in method:
+        continue
+      adapter = entry["figures"][
+        method.replace("immediate, ", "").replace(" (immediate)", "")
+      ]
+      r = [auto[k] / adapter[k] for k in keys]
+      rows.append(
+        f"| {label} | {method} | {r[0]:.4f} | {r[1]:.4f} | {r[2]:.3f} | "
+        f"{r[3]:.2f} | {adapter['median_step_seconds'] * 1e3:.1f}, "
+        f"{adapter['compile_seconds']:.1f} |"
+      )
+      label = ""
+  return "\n".join(rows) + "\n\nRatios are immgrad.immediate / adapter."
 
 
 def table(results) -> str:

@@ -9,6 +9,11 @@ Methods (all with ``optax.adam(1e-3)``, jitted, params and state donated):
   ``immgrad.shim(adam)`` (atomic, the default);
 * ``current (atomic=False)`` / ``updated (atomic=False)``: the same without
   the all-or-nothing check;
+* ``current (immediate)`` / ``updated (immediate)`` and their
+  ``atomic=False`` variants: the same steps with the model's layers found
+  by ``immgrad.immediate`` on the undecorated model (the plain Haiku
+  ``apply``, the MLP with ``_dense``) instead of ``immgrad.immediate_layer``
+  or ``immgrad.haiku.immediate`` (``IMMEDIATE_METHODS``: both fronts);
 * ``naive`` (depth sweep only): what a user would write without immgrad to
   get "updated" gradients: the sequential re-linearization with one vjp
   chain per layer. For layer l it backpropagates from the loss through the
@@ -37,6 +42,18 @@ METHODS = (
   "current (atomic=False)",
   "updated (atomic=False)",
 )
+# Each model's immgrad methods with its adapter and with immgrad.immediate.
+IMMEDIATE_METHODS = (
+  "plain",
+  "current",
+  "current (immediate)",
+  "updated",
+  "updated (immediate)",
+  "current (atomic=False)",
+  "current (immediate, atomic=False)",
+  "updated (atomic=False)",
+  "updated (immediate, atomic=False)",
+)
 
 
 def _host(tree):
@@ -47,9 +64,12 @@ def _host(tree):
 
 
 def candidates_for(
-  loss_fn: Callable, params, batch, methods=METHODS
+  loss_fn: Callable, params, batch, methods=METHODS, auto_loss_fn=None
 ) -> list[Candidate]:
-  """The training step of each method for ``loss_fn(params, *batch)``."""
+  """The training step of each method for ``loss_fn(params, *batch)``;
+  ``auto_loss_fn``, the same loss through ``immgrad.immediate``, for the
+  methods marked ``(immediate``.
+  """
   out = []
   for method in methods:
     opt = optax.adam(1e-3)
@@ -63,7 +83,8 @@ def candidates_for(
     else:
       mode = method.split()[0]
       tx = immgrad.shim(opt, atomic="atomic=False" not in method)
-      grad_fn = immgrad.value_and_grad(loss_fn, tx, mode=mode)
+      fn = auto_loss_fn if "(immediate" in method else loss_fn
+      grad_fn = immgrad.value_and_grad(fn, tx, mode=mode)
 
       def step(params, opt_state, *batch, tx=tx, grad_fn=grad_fn):
         loss, grads = grad_fn(params, opt_state, *batch)
@@ -101,16 +122,27 @@ def mlp(depth: int, width: int, batch: int, *, methods=METHODS):
   x = jax.random.normal(keys[-2], (batch, width))
   y = jax.random.normal(keys[-1], (batch, width))
 
-  def loss_fn(params, x, y):
-    h = x
-    for i in range(depth):
-      h = dense(h, params[f"layer{i}"])
-      if i < depth - 1:
-        h = jax.nn.relu(h)
-    return jnp.mean((h - y) ** 2)
+  def losses(layer):
+    def forward(params, x):
+      h = x
+      for i in range(depth):
+        h = layer(h, params[f"layer{i}"])
+        if i < depth - 1:
+          h = jax.nn.relu(h)
+      return h
 
+    auto = immgrad.immediate(forward)
+    mse = lambda f: lambda params, x, y: jnp.mean((f(params, x) - y) ** 2)
+    return mse(forward), mse(auto)
+
+  loss_fn, _ = losses(dense)
+  _, auto_loss_fn = losses(_dense)
   out = candidates_for(
-    loss_fn, params, (x, y), [m for m in methods if m != "naive"]
+    loss_fn,
+    params,
+    (x, y),
+    [m for m in methods if m != "naive"],
+    auto_loss_fn,
   )
   if "naive" in methods:
     opt = optax.adam(1e-3)
@@ -127,9 +159,10 @@ def mlp(depth: int, width: int, batch: int, *, methods=METHODS):
   return out
 
 
-def scanned_mlp(depth: int, width: int, batch: int):
+def scanned_mlp(depth: int, width: int, batch: int, *, methods=METHODS):
   """The MLP's layers stacked and run under ``immgrad.scan`` (plain: the
-  same loss, where ``immgrad.scan`` is ``jax.lax.scan``).
+  same loss, where ``immgrad.scan`` is ``jax.lax.scan``; ``immediate``:
+  undecorated layers under ``jax.lax.scan``).
   """
   k1, k2, k3 = jax.random.split(jax.random.PRNGKey(0), 3)
   params = {
@@ -148,7 +181,15 @@ def scanned_mlp(depth: int, width: int, batch: int):
     h, _ = immgrad.scan(block, x, params["blocks"])
     return jnp.mean((h - y) ** 2)
 
-  return candidates_for(loss_fn, params, (x, y))
+  @immgrad.immediate
+  def forward(params, x):
+    block = lambda h, p: (jax.nn.relu(_dense(h, p)), None)
+    return jax.lax.scan(block, x, params["blocks"])[0]
+
+  def auto_loss_fn(params, x, y):
+    return jnp.mean((forward(params, x) - y) ** 2)
+
+  return candidates_for(loss_fn, params, (x, y), methods, auto_loss_fn)
 
 
 def _naive_step(depth: int, opt):
@@ -209,6 +250,7 @@ def transformer(
   batch=16,
   vocab=256,
   stacked=False,
+  methods=METHODS,
 ):
   """A decoder-only LM; ``stacked`` puts the blocks under hk.layer_stack."""
 
@@ -231,10 +273,16 @@ def transformer(
   inputs, targets = tokens[:, :-1], tokens[:, 1:]
   params = model.init(jax.random.PRNGKey(0), inputs)
 
-  def loss_fn(params, inputs, targets):
-    logits = model.apply(params, inputs)
-    return optax.softmax_cross_entropy_with_integer_labels(
-      logits, targets
-    ).mean()
+  def lm_loss(apply):
+    def loss_fn(params, inputs, targets):
+      logits = apply(params, inputs)
+      return optax.softmax_cross_entropy_with_integer_labels(
+        logits, targets
+      ).mean()
 
-  return candidates_for(loss_fn, params, (inputs, targets))
+    return loss_fn
+
+  auto = immgrad.immediate(hk.without_apply_rng(hk.transform(forward)).apply)
+  return candidates_for(
+    lm_loss(model.apply), params, (inputs, targets), methods, lm_loss(auto)
+  )

@@ -589,6 +589,48 @@ def test_haiku_layer_stack_equals_the_adapter():
     oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
+def test_haiku_mlp_updated_equals_the_adapter_and_the_reference(opt):
+  """An unmodified ``hk.nets.MLP`` (no norm layer, so both draw the same
+  layer boundaries): ``immediate`` on its ``apply``, the Haiku adapter and
+  the sequential re-linearization give the same five "updated" steps.
+  """
+  import haiku as hk  # pylint: disable=g-import-not-at-top
+
+  import immgrad.haiku  # pylint: disable=g-import-not-at-top,unused-import
+
+  forward = lambda x: hk.nets.MLP([16, 16, 3])(x)
+  model = hk.without_apply_rng(hk.transform(forward))
+  adapted = hk.without_apply_rng(hk.transform(immgrad.haiku.immediate(forward)))
+  data = oracles.batches(jax.random.PRNGKey(1), STEPS, (8, 6), (8, 3))
+  params = model.init(jax.random.PRNGKey(0), data[0][0])
+  loss = lambda apply: lambda p, x, y: _mse(apply(p, x), y)
+  auto_loss = loss(immgrad.immediate(model.apply))
+  assert _stepped_immediately(auto_loss, params, data[0], "updated") == set(
+    _paths(params)
+  )
+  chain = oracles.Chain(
+    (oracles.dense,) * 3,
+    tuple(f"mlp/~/linear_{i}" for i in range(3)),
+    (jax.nn.relu, jax.nn.relu, oracles.identity),
+    oracles.mse,
+  )
+  expected = oracles.sequential_steps(chain, OPTIMIZERS[opt](), params, data)
+  got = oracles.immediate_steps(
+    auto_loss, OPTIMIZERS[opt](), params, data, mode="updated"
+  )
+  adapter = oracles.immediate_steps(
+    loss(adapted.apply), OPTIMIZERS[opt](), params, data, mode="updated"
+  )
+  oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
+  oracles.assert_runs_close(adapter, expected, atol=ATOL, rtol=RTOL)
+  oracles.assert_runs_close(got, adapter, atol=ATOL, rtol=RTOL)
+  current = oracles.immediate_steps(
+    auto_loss, OPTIMIZERS[opt](), params, data, mode="current"
+  )
+  assert oracles.max_abs_diff(got[0][-1], current[0][-1]) > 1e-3
+
+
 def test_parameters_in_a_scan_carry_are_not_supported_yet():
   def loss_fn(p, xs):
     w, _ = lax.scan(lambda w, x: (w * x.sum(), None), p["w"], xs)
