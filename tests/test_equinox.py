@@ -34,6 +34,7 @@ pytest.importorskip(
 import chex
 import equinox as eqx
 import jax
+from jax import lax
 import jax.numpy as jnp
 import optax
 
@@ -529,6 +530,36 @@ def test_modules_picks_some():
   assert "ImmediateGrad" not in kinds[2:], kinds  # LayerNorm: ordinary.
   with pytest.raises(TypeError, match="modules= takes eqx.Module classes"):
     immgrad.equinox.immediate(loss_fn, modules=(jax.nn.relu,))
+
+
+def test_parameters_closed_over_are_refused():
+  """``fn`` must get the parameters: closed over, they would be data."""
+  params, static = eqx.partition(
+    eqx.nn.Linear(3, 2, key=_KEYS[0]), eqx.is_inexact_array
+  )
+
+  def loss_fn(params, x):
+    forward = lambda x: jax.vmap(eqx.combine(params, static))(x)
+    return jnp.sum(immgrad.equinox.immediate(forward)(x))
+
+  tx = immgrad.shim(optax.sgd(0.1))
+  with pytest.raises(ValueError, match="none of the step's parameters"):
+    immgrad.value_and_grad(loss_fn, tx)(params, tx.init(params), jnp.ones(3))
+
+
+def test_a_layer_in_a_cond_is_refused_by_its_equinox_path():
+  params, static = eqx.partition(
+    eqx.nn.Linear(3, 2, key=_KEYS[0]), eqx.is_inexact_array
+  )
+
+  def loss_fn(params, x):
+    model = jax.vmap(eqx.combine(params, static))
+    return lax.cond(x.sum() > 0, lambda x: jnp.sum(model(x)), jnp.sum, x)
+
+  tx = immgrad.shim(optax.sgd(0.1))
+  step = immgrad.value_and_grad(immgrad.equinox.immediate(loss_fn), tx)
+  with pytest.raises(ValueError, match=r"args\[0\]\.bias.*inside `cond`"):
+    step(params, tx.init(params), jnp.ones((4, 3)))
 
 
 @pytest.mark.parametrize(

@@ -24,6 +24,13 @@ import jax
 from immgrad._src import auto
 from immgrad._src import context
 
+_NAME = "immgrad.equinox.immediate"
+_NO_PARAMETERS = (
+  "immgrad.equinox.immediate: {fn} was called in a step with none of the "
+  "step's parameters among its arguments. Parameters it closes over would "
+  "train ordinarily: pass them to it (as the loss gets them)."
+)
+
 DEFAULT_MODULES = (
   eqx.nn.Linear,
   eqx.nn.Conv,
@@ -86,23 +93,37 @@ def immediate(
     step = context.current()
     if step is None:
       return fn(*args, **kwargs)
-    leaves, treedef = jax.tree.flatten((args, kwargs))
-    mine = [
-      owned and step.find(leaf, "immgrad.equinox.immediate") is not None
-      for leaf, owned in zip(leaves, _owned(chosen, (args, kwargs)))
+    keyed, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
+    found = [step.find(leaf, _NAME) is not None for _, leaf in keyed]
+    if not any(found):
+      raise ValueError(_NO_PARAMETERS.format(fn=_name(fn)))
+    owned = _owned(chosen, (args, kwargs))
+    # Named by their place in fn's arguments, for immgrad.immediate's errors.
+    names = [
+      _place(path) if f and o else None
+      for (path, _), f, o in zip(keyed, found, owned)
     ]
-    params = [leaf for leaf, m in zip(leaves, mine) if m]
-    others = [leaf for leaf, m in zip(leaves, mine) if not m]
+    params = {n: leaf for n, (_, leaf) in zip(names, keyed) if n}
+    others = [leaf for n, (_, leaf) in zip(names, keyed) if not n]
 
     def call(params, others):
-      params, others = iter(params), iter(others)
-      full = [next(params) if m else next(others) for m in mine]
+      others = iter(others)
+      full = [params[n] if n else next(others) for n in names]
       args, kwargs = treedef.unflatten(full)
       return fn(*args, **kwargs)
 
     return auto.immediate(call)(params, others)
 
   return wrapped
+
+
+def _place(path) -> str:
+  """``args[0].layers[1].weight``: where a leaf is among fn's arguments."""
+  return ("args", "kwargs")[path[0].idx] + jax.tree_util.keystr(path[1:])
+
+
+def _name(fn) -> str:
+  return getattr(fn, "__qualname__", repr(fn))
 
 
 def _check_modules(modules) -> tuple[type, ...]:
