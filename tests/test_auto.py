@@ -434,37 +434,6 @@ def test_flax_model_equals_the_adapter(api, mode):
   oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
 
 
-@pytest.mark.parametrize("mode", ["current", "updated"])
-def test_equinox_model_under_vmap_equals_the_adapter(mode):
-  """A per-example Equinox MLP, vmapped inside the function."""
-  eqx = pytest.importorskip(
-    "equinox", reason="the equinox extra (equinox 0.13.8 refuses jax 0.7)"
-  )
-  import immgrad.equinox  # pylint: disable=g-import-not-at-top,unused-import
-
-  params, static = eqx.partition(
-    eqx.nn.MLP(4, 2, 8, 2, key=jax.random.PRNGKey(0)), eqx.is_array
-  )
-
-  def loss_fn(params, x, y):
-    return _mse(jax.vmap(eqx.combine(params, static))(x), y)
-
-  data = oracles.batches(jax.random.PRNGKey(1), STEPS, (8, 4), (8, 2))
-  auto_loss = immgrad.immediate(loss_fn)
-  assert _stepped_immediately(auto_loss, params, data[0]) == set(_paths(params))
-  got = oracles.immediate_steps(
-    auto_loss, OPTIMIZERS["adam"](), params, data, mode=mode
-  )
-  expected = oracles.immediate_steps(
-    immgrad.equinox.immediate(loss_fn),
-    OPTIMIZERS["adam"](),
-    params,
-    data,
-    mode=mode,
-  )
-  oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
-
-
 # What immgrad.immediate refuses, reports, or leaves alone.
 
 W = {"w": jnp.linspace(-1, 1, 9).reshape(3, 3), "b": jnp.zeros(3)}

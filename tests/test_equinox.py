@@ -34,6 +34,7 @@ pytest.importorskip(
 import chex
 import equinox as eqx
 import jax
+from jax import lax
 import jax.numpy as jnp
 import optax
 
@@ -54,7 +55,23 @@ def _kinds(grads):
   return [type(g).__name__ for g in jax.tree.leaves(grads, is_leaf=_is_grad)]
 
 
-def _runs(loss_fn, opt, params, batches, mode="current", atomic=True):
+def _grads(loss_fn, params, *batch, modules=immgrad.equinox.DEFAULT_MODULES):
+  """The grads of one immediate step (sgd), to see which leaves it stepped."""
+  tx = immgrad.shim(optax.sgd(0.1))
+  return immgrad.value_and_grad(
+    immgrad.equinox.immediate(loss_fn, modules), tx
+  )(params, tx.init(params), *batch)[1]
+
+
+def _runs(
+  loss_fn,
+  opt,
+  params,
+  batches,
+  mode="current",
+  atomic=True,
+  modules=immgrad.equinox.DEFAULT_MODULES,
+):
   """Plain Equinox training and immgrad's, both under ``eqx.filter_jit``."""
   tx = immgrad.shim(opt, atomic=atomic)
 
@@ -67,7 +84,7 @@ def _runs(loss_fn, opt, params, batches, mode="current", atomic=True):
   @eqx.filter_jit
   def immediate_step(params, state, *batch):
     out, grads = immgrad.value_and_grad(
-      immgrad.equinox.immediate(loss_fn), tx, mode=mode
+      immgrad.equinox.immediate(loss_fn, modules), tx, mode=mode
     )(params, state, *batch)
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state, out
@@ -168,21 +185,6 @@ def test_each_module_reproduces_equinox_and_steps_on_the_batch(name):
   # (bfloat16 weights: their ulp).
   tol = 1e-2 if "bf16" in name else ATOL
   chex.assert_trees_all_close(got, plain_grads, atol=tol, rtol=tol)
-
-
-def test_the_patched_classes_define_call_themselves():
-  """Pins the seam: the class whose ``__dict__`` holds each ``__call__``."""
-  for cls in immgrad.equinox.DEFAULT_MODULES:
-    assert "__call__" in cls.__dict__, cls
-  for cls in (eqx.nn.Conv1d, eqx.nn.Conv2d, eqx.nn.Conv3d):
-    assert "__call__" not in cls.__dict__, cls
-  originals = [
-    cls.__dict__["__call__"] for cls in immgrad.equinox.DEFAULT_MODULES
-  ]
-  immgrad.equinox.immediate(lambda: None)()
-  assert [
-    cls.__dict__["__call__"] for cls in immgrad.equinox.DEFAULT_MODULES
-  ] == originals  # Restored.
 
 
 def test_other_threads_see_equinox_while_a_model_runs():
@@ -343,6 +345,44 @@ def test_transformer_with_dropout_current_equals_plain_equinox():
   oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
 
 
+class Positions(eqx.Module):
+  """Token and position embeddings, each an ``eqx.nn.Embedding``."""
+
+  tokens: eqx.nn.Embedding
+  positions: eqx.nn.Embedding
+  head: eqx.nn.Linear
+
+  def __init__(self, key):
+    k1, k2, k3 = jax.random.split(key, 3)
+    self.tokens = eqx.nn.Embedding(VOCAB, D, key=k1)
+    self.positions = eqx.nn.Embedding(SEQ, D, key=k2)
+    self.head = eqx.nn.Linear(D, VOCAB, key=k3)
+
+  def __call__(self, ids):
+    # The inner vmap maps an index that does not depend on the outer one.
+    h = jax.vmap(self.tokens)(ids) + jax.vmap(self.positions)(jnp.arange(SEQ))
+    return jax.vmap(self.head)(jnp.tanh(h))
+
+
+def test_position_embedding_under_vmap_trains_like_plain():
+  """The positions' lookup is parameter-only: the ``add`` is their layer."""
+  params, static = eqx.partition(
+    Positions(jax.random.PRNGKey(0)), eqx.is_inexact_array
+  )
+  keys = jax.random.split(jax.random.PRNGKey(1), STEPS)
+  data = [(jax.random.randint(k, (4, SEQ + 1), 0, VOCAB),) for k in keys]
+
+  def loss_fn(params, tokens):
+    logits = jax.vmap(eqx.combine(params, static))(tokens[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(
+      logits, tokens[:, 1:]
+    ).mean()
+
+  got, expected = _runs(loss_fn, optax.adam(1e-2), params, data)
+  oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
+  assert set(_kinds(_grads(loss_fn, params, *data[0]))) == {"ImmediateGrad"}
+
+
 # -- BatchNorm state, a collective over the vmap axis ----------------------
 
 
@@ -488,13 +528,50 @@ def test_modules_picks_some():
   kinds = _kinds(grads)
   assert kinds[:2] == ["ImmediateGrad"] * 2, kinds  # Linear: weight, bias.
   assert "ImmediateGrad" not in kinds[2:], kinds  # LayerNorm: ordinary.
-  with pytest.raises(ValueError, match="cannot make .*BatchNorm.*Supported"):
-    immgrad.equinox.immediate(loss_fn, modules=(eqx.nn.BatchNorm,))
-  with pytest.raises(ValueError, match="cannot make"):
-    immgrad.equinox.immediate(loss_fn, modules=(eqx.nn.ConvTranspose2d,))
+  with pytest.raises(TypeError, match="modules= takes eqx.Module classes"):
+    immgrad.equinox.immediate(loss_fn, modules=(jax.nn.relu,))
 
 
-def test_conv_transpose_stays_ordinary_and_trains_like_plain():
+def test_parameters_closed_over_are_refused():
+  """``fn`` must get the parameters: closed over, they would be data."""
+  params, static = eqx.partition(
+    eqx.nn.Linear(3, 2, key=_KEYS[0]), eqx.is_inexact_array
+  )
+
+  def loss_fn(params, x):
+    forward = lambda x: jax.vmap(eqx.combine(params, static))(x)
+    return jnp.sum(immgrad.equinox.immediate(forward)(x))
+
+  tx = immgrad.shim(optax.sgd(0.1))
+  with pytest.raises(ValueError, match="none of the step's parameters"):
+    immgrad.value_and_grad(loss_fn, tx)(params, tx.init(params), jnp.ones(3))
+
+
+def test_a_layer_in_a_cond_is_refused_by_its_equinox_path():
+  params, static = eqx.partition(
+    eqx.nn.Linear(3, 2, key=_KEYS[0]), eqx.is_inexact_array
+  )
+
+  def loss_fn(params, x):
+    model = jax.vmap(eqx.combine(params, static))
+    return lax.cond(x.sum() > 0, lambda x: jnp.sum(model(x)), jnp.sum, x)
+
+  tx = immgrad.shim(optax.sgd(0.1))
+  step = immgrad.value_and_grad(immgrad.equinox.immediate(loss_fn), tx)
+  with pytest.raises(ValueError, match=r"args\[0\]\.bias.*inside `cond`"):
+    step(params, tx.init(params), jnp.ones((4, 3)))
+
+
+@pytest.mark.parametrize(
+  "modules,kind",
+  [
+    (immgrad.equinox.DEFAULT_MODULES, "ArrayImpl"),
+    ((eqx.nn.ConvTranspose2d,), "ImmediateGrad"),
+  ],
+  ids=["default", "chosen"],
+)
+def test_conv_transpose_trains_like_plain(modules, kind):
+  """Ordinary by default; immediate when chosen (the program's conv)."""
   model = eqx.nn.ConvTranspose2d(2, 3, 3, key=_KEYS[0])
   params, static = eqx.partition(model, eqx.is_inexact_array)
   keys = jax.random.split(_KEYS[1], 2)
@@ -508,41 +585,77 @@ def test_conv_transpose_stays_ordinary_and_trains_like_plain():
   def loss_fn(params, x, y):
     return oracles.mse(jax.vmap(eqx.combine(params, static))(x), y)
 
-  got, expected = _runs(loss_fn, optax.sgd(0.1), params, data)
+  got, expected = _runs(
+    loss_fn, optax.adam(1e-2), params, data, modules=modules
+  )
   oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
+  grads = _grads(loss_fn, params, *data[0], modules=modules)
+  assert set(_kinds(grads)) == {kind}
 
 
-def test_stacked_weights_mapped_by_vmap_are_refused():
-  """An ensemble: weights mapped by vmap would need a step per member."""
-  ensemble = eqx.filter_vmap(lambda k: eqx.nn.Linear(3, 2, key=k))(
+def test_weights_mapped_by_vmap_train_like_plain():
+  """An ensemble made with ``eqx.filter_vmap``: one layer per stacked leaf.
+
+  Each member's slice of the stacked weight gets its own member's gradient,
+  so one step of the whole leaf is each member's step.
+  """
+  ensemble = eqx.filter_vmap(lambda k: eqx.nn.Linear(5, 3, key=k))(
     jax.random.split(_KEYS[0], 4)
   )
   params, static = eqx.partition(ensemble, eqx.is_inexact_array)
+  data = oracles.batches(jax.random.PRNGKey(1), STEPS, (8, 5), (8, 3))
 
-  def loss_fn(params, x):
+  def loss_fn(params, x, y):
     members = eqx.combine(params, static)
-    return jnp.sum(eqx.filter_vmap(lambda m: m(x))(members))
+    out = eqx.filter_vmap(lambda m: jax.vmap(m)(x))(members)
+    return oracles.mse(out, y)
 
-  tx = immgrad.shim(optax.sgd(0.1))
-  step = immgrad.value_and_grad(immgrad.equinox.immediate(loss_fn), tx)
-  with pytest.raises(ValueError, match="mapped by jax.vmap"):
-    step(params, tx.init(params), jnp.ones(3))
+  got, expected = _runs(loss_fn, optax.adam(1e-2), params, data)
+  oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
+  assert set(_kinds(_grads(loss_fn, params, *data[0]))) == {"ImmediateGrad"}
 
 
-def test_scanned_mlp_is_refused():
-  """``eqx.nn.MLP(scan=True)`` scans its layers with plain ``lax.scan``."""
-  model = eqx.nn.MLP(3, 2, 8, 3, scan=True, key=_KEYS[0])
+def test_scanned_mlp_trains_like_plain_and_sequential():
+  """``eqx.nn.MLP(scan=True)``: its ``lax.scan`` runs as ``immgrad.scan``.
+
+  Each hidden layer steps its own slice of the stacked weights: ``current``
+  is plain training, ``updated`` the sequential re-linearization of the
+  four layers, built from Equinox's plain ``Linear``.
+  """
+  model = eqx.nn.MLP(5, 3, 8, 3, scan=True, key=_KEYS[0])
   params, static = eqx.partition(model, eqx.is_inexact_array)
+  data = oracles.batches(jax.random.PRNGKey(1), STEPS, (8, 5), (8, 3))
+  opt = optax.adam(1e-2)
 
-  def loss_fn(params, x):
-    return jnp.sum(jax.vmap(eqx.combine(params, static))(x))
+  def loss_fn(params, x, y):
+    return oracles.mse(jax.vmap(eqx.combine(params, static))(x), y)
 
-  tx = immgrad.shim(optax.sgd(0.1))
-  step = immgrad.value_and_grad(immgrad.equinox.immediate(loss_fn), tx)
-  with pytest.raises(
-    ValueError, match="'Linear \\(Equinox\\)'.*not a parameter"
-  ):
-    step(params, tx.init(params), jnp.ones((4, 3)))
+  got, expected = _runs(loss_fn, opt, params, data)
+  oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
+  assert set(_kinds(_grads(loss_fn, params, *data[0]))) == {"ImmediateGrad"}
+
+  names = ("input", "hidden0", "hidden1", "output")
+  first, hidden, last = static.layers
+  statics = (first, hidden, hidden, last)
+
+  def by_name(p):
+    first, hidden, last = p.layers
+    at = lambda i: jax.tree.map(lambda a: a[i], hidden)
+    return dict(zip(names, (first, at(0), at(1), last)))
+
+  def plain_layer(i):  # Equinox's own Linear, vmapped over the batch.
+    return lambda x, p: jax.vmap(eqx.combine(p, statics[i]))(x)
+
+  chain = oracles.Chain(
+    tuple(plain_layer(i) for i in range(4)),
+    names,
+    (jax.nn.relu,) * 3 + (oracles.identity,),
+    oracles.mse,
+  )
+  expected = oracles.sequential_steps(chain, opt, by_name(params), data)
+  got = _runs(loss_fn, opt, params, data, mode="updated")[0]
+  got = ([by_name(p) for p in got[0]], got[1])
+  oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
 
 
 def test_outside_a_step_the_model_is_equinox():

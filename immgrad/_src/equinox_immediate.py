@@ -1,37 +1,35 @@
 """``immgrad.equinox.immediate``: unmodified Equinox models, immediate.
 
-``immediate(fn)`` runs ``fn`` with the ``__call__`` of Equinox's
-weight-carrying modules routed to ``equinox_layers``: inside
-``immgrad.value_and_grad``, every call of an ``eqx.nn.Linear``,
-``eqx.nn.Conv`` (``Conv1d``/``2d``/``3d``), ``eqx.nn.LayerNorm``,
-``eqx.nn.RMSNorm`` or ``eqx.nn.Embedding`` (including those inside
-``eqx.nn.MLP`` and ``eqx.nn.MultiheadAttention``) is computed from the same
-parameter arrays through an immediate layer. Other modules
-(``eqx.nn.ConvTranspose``, ``eqx.nn.BatchNorm``, whose statistics are
-``eqx.nn.State``, dropout, your own) keep ordinary gradients, which the
-shim applies. The params tree is Equinox's own,
-``eqx.partition(model, eqx.is_inexact_array)``. A module whose weight is
-computed from the params (``eqx.nn.WeightNorm``, ``eqx.nn.SpectralNorm``, a
-cast) is refused by name (``reparam.py``, ``docs/reparametrised.md``).
-
-The seam. Equinox has no interception hook, so while a wrapped ``fn`` runs
-the defining classes' ``__call__`` is replaced, at class level, by a
-dispatcher (Flax NNX's ``nnx.capture`` patches classes the same way). It
-is held by a lock and a depth count while any thread runs a wrapped
-``fn``; the dispatcher calls the original unless the calling thread is
-itself inside ``immediate`` and inside ``immgrad.value_and_grad``. So
-outside a step, and for every other thread, the model is Equinox's, and
-``tests/test_equinox.py`` pins that the defining classes are these.
+``immediate(fn, modules)`` is :func:`immgrad.immediate` (``auto.py``) with
+one piece of Equinox knowledge: which parameter leaves it may step. Inside
+``immgrad.value_and_grad`` it finds, among all of ``fn``'s arguments, the
+parameter leaves of the step whose innermost ``eqx.Module`` is one of
+``modules`` (by default ``eqx.nn.Linear``, ``eqx.nn.Conv*``,
+``eqx.nn.LayerNorm``, ``eqx.nn.RMSNorm``, ``eqx.nn.Embedding``, so
+``self.weight`` of each, inside ``eqx.nn.MLP`` or
+``eqx.nn.MultiheadAttention`` too), and hands those to
+:func:`immgrad.immediate` as the parameter tree. Every other leaf is an
+argument like the data: it keeps an ordinary gradient, which the shim
+applies. Equinox's own ``__call__`` runs unchanged; the program it traces
+says where the layers are, so subclasses, wrappers that compute the weight
+(``eqx.nn.WeightNorm``) and vmapped or scanned weights need nothing here.
 """
 
 import functools
-import threading
 from typing import Any, Callable, Sequence
 
 import equinox as eqx
+import jax
 
+from immgrad._src import auto
 from immgrad._src import context
-from immgrad._src import equinox_layers
+
+_NAME = "immgrad.equinox.immediate"
+_NO_PARAMETERS = (
+  "immgrad.equinox.immediate: {fn} was called in a step with none of the "
+  "step's parameters among its arguments. Parameters it closes over would "
+  "train ordinarily: pass them to it (as the loss gets them)."
+)
 
 DEFAULT_MODULES = (
   eqx.nn.Linear,
@@ -45,23 +43,24 @@ DEFAULT_MODULES = (
 def immediate(
   fn: Callable[..., Any], modules: Sequence[type] = DEFAULT_MODULES
 ) -> Callable[..., Any]:
-  """Makes the chosen Equinox modules called in ``fn`` immediate layers.
+  """Makes the weights of the chosen Equinox modules in ``fn`` immediate.
 
   Args:
-    fn: a function that calls an Equinox model: the loss given to
-      ``immgrad.value_and_grad`` or the model's forward pass. The model is
-      per-example and called under ``jax.vmap`` as usual (or
-      ``eqx.filter_vmap``); its parameters must be unmapped (closed over,
-      or ``in_axes=None``), and each layer steps once, on the gradient of
-      the whole batch.
-    modules: the module classes to make immediate (subclasses included):
-      any of ``eqx.nn.Linear``, ``eqx.nn.Conv`` (or ``Conv1d``/``2d``/
-      ``3d``), ``eqx.nn.LayerNorm``, ``eqx.nn.RMSNorm``,
-      ``eqx.nn.Embedding``. Default: all of them.
+    fn: a function that calls an Equinox model, with its parameters among
+      its arguments (anywhere, keyword arguments too): usually the loss
+      given to ``immgrad.value_and_grad``. The model is per-example and
+      called under ``jax.vmap`` (or ``eqx.filter_vmap``) inside ``fn``, as
+      usual; call ``fn`` itself at the top level of the loss.
+    modules: the ``eqx.Module`` classes (subclasses included) whose own
+      arrays are stepped in the backward pass, where the traced program
+      allows it (see :func:`immgrad.layers`). Default: ``eqx.nn.Linear``,
+      ``eqx.nn.Conv`` (``Conv1d``/``2d``/``3d``), ``eqx.nn.LayerNorm``,
+      ``eqx.nn.RMSNorm``, ``eqx.nn.Embedding``. ``(eqx.Module,)`` chooses
+      every module's arrays.
 
   Returns:
-    ``fn``, with those modules' weights updated during the backward pass
-    inside ``immgrad.value_and_grad``. Outside it ``fn`` is unchanged.
+    ``fn``, with those weights updated during the backward pass inside
+    ``immgrad.value_and_grad``. Outside it, ``fn`` itself.
 
   Example:
     >>> import equinox as eqx, jax, jax.numpy as jnp, optax
@@ -91,84 +90,63 @@ def immediate(
 
   @functools.wraps(fn)
   def wrapped(*args, **kwargs):
-    with _patched(chosen):
+    step = context.current()
+    if step is None:
+      return fn(*args, **kwargs)
+    keyed, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
+    found = [step.find(leaf, _NAME) is not None for _, leaf in keyed]
+    if not any(found):
+      raise ValueError(_NO_PARAMETERS.format(fn=_name(fn)))
+    owned = _owned(chosen, (args, kwargs))
+    # Named by their place in fn's arguments, for immgrad.immediate's errors.
+    names = [
+      _place(path) if f and o else None
+      for (path, _), f, o in zip(keyed, found, owned)
+    ]
+    params = {n: leaf for n, (_, leaf) in zip(names, keyed) if n}
+    others = [leaf for n, (_, leaf) in zip(names, keyed) if not n]
+
+    def call(params, others):
+      others = iter(others)
+      full = [params[n] if n else next(others) for n in names]
+      args, kwargs = treedef.unflatten(full)
       return fn(*args, **kwargs)
 
+    return auto.immediate(call)(params, others)
+
   return wrapped
+
+
+def _place(path) -> str:
+  """``args[0].layers[1].weight``: where a leaf is among fn's arguments."""
+  return ("args", "kwargs")[path[0].idx] + jax.tree_util.keystr(path[1:])
+
+
+def _name(fn) -> str:
+  return getattr(fn, "__qualname__", repr(fn))
 
 
 def _check_modules(modules) -> tuple[type, ...]:
   if isinstance(modules, type):
     modules = (modules,)
-  supported = tuple(equinox_layers.IMPLEMENTATIONS)
-  names = ", ".join(f"eqx.nn.{c.__name__}" for c in supported)
   for cls in modules:
-    if not (isinstance(cls, type) and issubclass(cls, supported)):
-      raise ValueError(
-        f"immgrad.equinox.immediate: cannot make {cls!r} immediate. "
-        f"Supported modules (and their subclasses): {names}. Other "
-        "modules, such as eqx.nn.ConvTranspose, eqx.nn.BatchNorm (its "
-        "statistics are eqx.nn.State, not weights) or your own, keep "
-        "ordinary gradients: build custom ones from these, or from "
-        "immgrad.immediate_layer."
+    if not (isinstance(cls, type) and issubclass(cls, eqx.Module)):
+      raise TypeError(
+        "immgrad.equinox.immediate: modules= takes eqx.Module classes "
+        f"(such as eqx.nn.Linear, or eqx.Module for all), got {cls!r}."
       )
   return tuple(modules)
 
 
-def _dispatcher(cls: type, original: Callable) -> Callable:
-  """``cls.__call__`` that routes chosen modules' calls in a step to us."""
-  implementation = equinox_layers.IMPLEMENTATIONS[cls]
+def _owned(chosen: tuple[type, ...], tree: Any) -> list[bool]:
+  """For each leaf of ``tree``: is its innermost ``eqx.Module`` chosen?"""
 
-  @functools.wraps(original)
-  def __call__(self, *args, **kwargs):  # pylint: disable=invalid-name
-    chosen = _chosen()
-    if (
-      chosen is None
-      or not isinstance(self, chosen)
-      or context.current() is None
-    ):
-      return original(self, *args, **kwargs)
-    bound = functools.partial(original, self)
-    return implementation(self, bound, *args, **kwargs)
+  def visit(node, owned: bool) -> list[bool]:
+    if isinstance(node, eqx.Module):
+      owned = isinstance(node, chosen)
+    children, shape = jax.tree.flatten(node, is_leaf=lambda x: x is not node)
+    if jax.tree_util.treedef_is_leaf(shape):
+      return [owned] * len(children)
+    return [flag for child in children for flag in visit(child, owned)]
 
-  return __call__
-
-
-_local = threading.local()  # This thread's stack of chosen modules.
-_lock = threading.Lock()
-_depth = 0  # How many wrapped functions run now, in all threads.
-_originals = {}  # Each patched class's own __call__, while patched.
-
-
-def _chosen():
-  stack = getattr(_local, "stack", None)
-  return stack[-1] if stack else None
-
-
-class _patched:  # pylint: disable=invalid-name
-  """Context manager: this thread's calls of ``chosen`` modules are ours."""
-
-  def __init__(self, chosen: tuple[type, ...]):
-    self._chosen = chosen
-
-  def __enter__(self):
-    global _depth
-    with _lock:
-      if _depth == 0:
-        for cls in equinox_layers.IMPLEMENTATIONS:
-          _originals[cls] = cls.__dict__["__call__"]
-          cls.__call__ = _dispatcher(cls, _originals[cls])
-      _depth += 1
-    if not hasattr(_local, "stack"):
-      _local.stack = []
-    _local.stack.append(self._chosen)
-
-  def __exit__(self, *exc):
-    global _depth
-    _local.stack.pop()
-    with _lock:
-      _depth -= 1
-      if _depth == 0:
-        for cls, original in _originals.items():
-          cls.__call__ = original
-        _originals.clear()
+  return visit(tree, False)
