@@ -468,6 +468,25 @@ def test_parameters_in_branches_and_loops_are_refused(fun, prim):
     immgrad.value_and_grad(immgrad.immediate(fun), tx)(W, tx.init(W), X)
 
 
+def test_a_parameter_closed_over_is_refused():
+  """A parameter ``fun`` reads from its closure is invisible in its params
+  tree: it would keep an ordinary gradient unnoticed, so it is refused,
+  named. Passed in the tree, the same model trains (both leaves immediate).
+  """
+  params = W
+
+  def loss_fn(p, x):
+    net = immgrad.immediate(lambda q, x: jnp.sum(x @ q["w"] + p["b"]))
+    return net({"w": p["w"]}, x)
+
+  tx = immgrad.shim(optax.sgd(0.1))
+  message = r"loss_fn.<locals>.<lambda> closes over the parameter params\['b'\]"
+  with pytest.raises(ValueError, match=message):
+    immgrad.value_and_grad(loss_fn, tx)(params, tx.init(params), X)
+  net = immgrad.immediate(lambda p, x: jnp.sum(x @ p["w"] + p["b"]))
+  assert _stepped_immediately(net, params, (X,)) == {"['w']", "['b']"}
+
+
 def _stacked_problem():
   """Three dense layers stacked under lax.scan, then an output layer."""
   keys = jax.random.split(jax.random.PRNGKey(0), 3)

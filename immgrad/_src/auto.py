@@ -75,6 +75,11 @@ _NOT_A_PARAMETER = (
   "leaf given to immgrad.value_and_grad. Pass the params tree the step "
   "hands the loss, unchanged; cast or transform it inside `fun`."
 )
+_CLOSED_OVER = (
+  "immgrad.immediate: {fun} closes over the parameter params{path} instead of "
+  "taking it in its params tree (argument {argnums}), so it would keep an "
+  "ordinary gradient unnoticed. Pass it in the params tree."
+)
 
 
 @dataclasses.dataclass(eq=False)
@@ -587,10 +592,13 @@ def _flatten(args: tuple, kwargs: dict, argnums: int, fun_name: str):
   return leaves, treedef, paths
 
 
+def _name(fun) -> str:
+  return getattr(fun, "__qualname__", repr(fun))
+
+
 def _analyse(fun, argnums, args, kwargs):
   """Traces ``fun`` and plans its layers: (program, plan, leaves, paths)."""
-  name = getattr(fun, "__qualname__", repr(fun))
-  leaves, treedef, paths = _flatten(args, kwargs, argnums, name)
+  leaves, treedef, paths = _flatten(args, kwargs, argnums, _name(fun))
 
   def call(params, others, kwargs):
     return fun(*others[:argnums], params, *others[argnums:], **kwargs)
@@ -653,6 +661,12 @@ def immediate(
       if step.find(leaves[i], "immgrad.immediate") is None:
         raise ValueError(
           _NOT_A_PARAMETER.format(path=paths[i], argnums=argnums)
+        )
+    for const in program.consts.values():
+      slot = step.find(const, "immgrad.immediate")
+      if slot is not None:
+        raise ValueError(
+          _CLOSED_OVER.format(fun=_name(fun), path=slot.path, argnums=argnums)
         )
     values = [leaves[i] for i, n in enumerate(program.inputs) if n is not None]
     outs = _run(program, plan, values)
