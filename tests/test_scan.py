@@ -11,6 +11,7 @@ skipped or repeated update is off by far more.
 
 import chex
 import jax
+from jax.extend import core as jex_core
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -335,6 +336,59 @@ def test_scan_body_with_ordinary_inputs_equals_plain(opt_name):
   expected = oracles.plain_steps(_busy_loss, opt, params, data)
   got = oracles.immediate_steps(_busy_loss, opt, params, data, mode="current")
   oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
+
+
+MASK = jnp.arange(WIDTH) % 2 == 0
+
+
+def _masked_loss(params, x, y):
+  """A scan body whose residuals include values fixed for the whole loop:
+  ``jnp.where`` broadcasts the closed-over mask to the batch, and the
+  closed-over ``shift`` (a parameter) is scaled in every layer alike.
+  """
+
+  def block(h, p):
+    shift = jnp.broadcast_to(params["shift"] * 2.0, h.shape)
+    return jnp.where(MASK, jnp.tanh(dense(h, p) + shift), 0.5 * h), None
+
+  h, _ = immgrad.scan(block, x, params["blocks"])
+  return oracles.mse(dense(h, params["head"]), y)
+
+
+def _scan_outputs(jaxpr) -> list:
+  """The avals of every scan's outputs in ``jaxpr``, nested ones included."""
+  out = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "scan":
+      out += [v.aval for v in eqn.outvars]
+  for inner in jex_core.subjaxprs(jaxpr):
+    out += _scan_outputs(inner)
+  return out
+
+
+@pytest.mark.parametrize("mode", ["current", "updated"])
+def test_residuals_fixed_across_layers_are_made_once(mode):
+  """The forward loop stacks no residual that is the same in every layer
+  (as JAX's own scan differentiation, which hoists them): the mask that
+  ``jnp.where`` broadcasts is made once, outside the loop, where stacked
+  it would be written and read back once per layer. Training is
+  unchanged: mode="current" equals plain jax.value_and_grad (tolerance as
+  above).
+  """
+  opt = optax.adam(1e-2)
+  params = _busy_params()
+  del params["gain"]
+  data = _data()
+  tx = immgrad.shim(opt)
+  step = immgrad.value_and_grad(_masked_loss, tx, mode=mode)
+  x, y = data[0]
+  jaxpr = jax.make_jaxpr(step)(params, tx.init(params), x, y).jaxpr
+  stacked = [a for a in _scan_outputs(jaxpr) if a.dtype == jnp.bool_]
+  assert not stacked, f"the mask was stacked per layer: {stacked}"
+  if mode == "current":
+    expected = oracles.plain_steps(_masked_loss, opt, params, data)
+    got = oracles.immediate_steps(_masked_loss, opt, params, data, mode=mode)
+    oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
 
 
 def test_stacked_parameter_used_by_a_layer_and_ordinarily_is_an_error():

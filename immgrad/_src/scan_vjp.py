@@ -9,9 +9,13 @@ plain training for a 16x1024 stack with adam.
 :func:`scan` is ``lax.scan`` with its own VJP:
 
 * The forward loop runs ``jax.vjp`` of the body and stacks only the
-  residuals made in the body (activations). A residual that *is* an input
-  of the body (a slice of ``xs``, or a value the body closes over) is not
-  copied: the backward loop reads it again where it came from.
+  residuals made in the body from the carry and ``xs`` (activations). A
+  residual that *is* an input of the body (a slice of ``xs``, or a value
+  the body closes over) is not copied: the backward loop reads it again
+  where it came from. One the body makes from closed-over values and
+  constants alone (an attention mask broadcast to the batch) is the same
+  in every iteration: it is made once, before the loop (``invariant.py``),
+  as JAX's own ``lax.scan`` differentiation does.
 * The backward loop rebuilds each iteration's VJP from those pieces and
   stacks the cotangents of ``xs`` (for stacked immediate layers: each
   layer's gradient, as plain training's gradient stack), sums those of the
@@ -23,8 +27,11 @@ from typing import Any, Callable
 
 import jax
 from jax import lax
+from jax.extend import core as jex_core
 import jax.numpy as jnp
 import numpy as np
+
+from immgrad._src import invariant
 
 
 def scan(
@@ -77,29 +84,56 @@ def scan(
       lambda p: p.value, (consts, init, xs), is_leaf=_is_primal
     )
 
-    def forward(carry, x):
+    def linearized(carry, x, consts):
       out, vjp = jax.vjp(lambda c, x, k: closed(c, x, *k), carry, x, consts)
       leaves, treedef = jax.tree.flatten(vjp)
-      sources = {id(v): ("x", j) for j, v in enumerate(x)}
-      sources.update({id(v): ("const", j) for j, v in enumerate(consts)})
-      spec, saved = [], []
-      for leaf in leaves:
-        if id(leaf) not in sources:  # Made in the body: stack it, once.
-          sources[id(leaf)] = ("saved", len(saved))
-          saved.append(leaf)
-        spec.append(sources[id(leaf)])
-      traced.update(
-        spec=spec, treedef=treedef, out=jax.tree.map(jax.typeof, out)
-      )
-      return out[0], (out[1], saved)
+      traced.update(treedef=treedef, out=jax.tree.map(jax.typeof, out))
+      return out, leaves
+
+    # The body and its residuals as one program, traced once: the loop runs
+    # it, and it tells which residuals are the same in every iteration.
+    program = jax.make_jaxpr(linearized)(init, example, consts)
+    n_carry = len(jax.tree.leaves(init))
+    n_out = len(jax.tree.leaves(traced["out"]))
+    inputs = {v: k - n_carry for k, v in enumerate(program.jaxpr.invars)}
+    fixed = [None] * (n_carry + len(xs)) + list(consts)
+    loose = invariant.varying(program.jaxpr, [a is None for a in fixed])
+    spec, sources, saved, once = [], {}, [], []  # once: made before the loop.
+    for k, v in enumerate(program.jaxpr.outvars[n_out:], n_out):
+      key = ("literal", k) if isinstance(v, jex_core.Literal) else v
+      j = inputs.get(key, -1)
+      if key in sources:
+        pass
+      elif 0 <= j < len(xs):  # A slice of xs: read again from xs.
+        sources[key] = ("x", j)
+      elif j >= len(xs):  # A value the body closes over.
+        sources[key] = ("const", j - len(xs))
+      elif not loose[k]:  # The same in every iteration: made once.
+        sources[key] = ("once", len(once))
+        once.append(k)
+      else:  # Made in the body: stacked.
+        sources[key] = ("saved", len(saved))
+        saved.append(k)
+      spec.append(sources[key])
+    traced["spec"] = spec
+    wanted = [k in once for k in range(len(loose))]
+    made = invariant.evaluate(program, fixed, wanted)
+    made = [made[k] for k in once]
+    run_program = jex_core.jaxpr_as_fun(program)
+    out_tree = jax.tree.structure(traced["out"])
+
+    def forward(carry, x):
+      flat = run_program(*jax.tree.leaves(carry), *x, *consts)
+      out = jax.tree.unflatten(out_tree, flat[:n_out])
+      return out[0], (out[1], [flat[k] for k in saved])
 
     carry, (ys, saved) = lax.scan(
       forward, init, xs, length=length, reverse=reverse, unroll=unroll
     )
-    return (carry, ys), (consts, xs, saved, perturbed)
+    return (carry, ys), (consts, xs, saved, made, perturbed)
 
   def bwd(residuals, cts):
-    consts, xs, saved, perturbed = residuals
+    consts, xs, saved, made, perturbed = residuals
     spec, treedef = traced["spec"], traced["treedef"]
     out_avals, out_tree = jax.tree.flatten(traced["out"])
     cts = jax.tree.leaves(cts, is_leaf=_is_zero)
@@ -120,12 +154,10 @@ def scan(
     def backward(carry, scanned_in):
       ct_carry, ct_consts = carry
       x, saved_i, ct_ys = scanned_in
+      where = {"x": x, "const": consts, "saved": saved_i, "once": made}
       vjp = jax.tree.unflatten(
         treedef,
-        [
-          x[j] if kind == "x" else consts[j] if kind == "const" else saved_i[j]
-          for kind, j in spec
-        ],
+        [where[kind][j] for kind, j in spec],
       )
       ct_out = [_zeros(a) for a in out_avals]
       for k, c in zip(floats + live_ys, ct_carry + ct_ys):
