@@ -519,8 +519,6 @@ def test_split_runs_merge_into_the_joint_run(tmp_path):
 
 
 def test_default_devices_are_the_backends_local_devices(monkeypatch):
-  from immgrad.experiments import __main__ as runner  # pylint: disable=g-import-not-at-top
-
   cpus = jax.local_devices()
   assert len(cpus) == 4  # conftest.py's simulated devices.
   assert runner.training_devices() == cpus[: runner.CPU_DEVICES]
