@@ -1,15 +1,22 @@
 """``python -m immgrad.experiments``: end to end, and its definitions.
 
-The runner is run as a user runs it, in a subprocess with its own device
-count (2 simulated CPU devices here, to keep it quick).
+The runner runs as a user runs it, in a subprocess with its own devices,
+twice: on its default devices (4 simulated CPU devices, the LM task) and
+with ``--devices 2`` (the digits task, compiled afresh). The other runs
+call its ``main`` with the same arguments in this process (conftest.py's
+4 simulated devices, ``--devices 2`` of them where the test says so), which
+spares each a new interpreter and shares this process' compiled programs.
 """
 
+import contextlib
+import io
 import json
 import math
 import os
 import pathlib
 import subprocess
 import sys
+from typing import NamedTuple
 
 import chex
 import jax
@@ -19,6 +26,7 @@ import optax
 import pytest
 
 import immgrad
+from immgrad.experiments import __main__ as runner
 from immgrad.experiments import report
 from immgrad.experiments import tasks
 from immgrad.experiments import train
@@ -26,34 +34,57 @@ from immgrad.experiments import train
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def _run(tmp_path, *args, name="out", devices=2, cache=True):
+class _Done(NamedTuple):
+  """What ``subprocess.run`` returns, for a run in this process."""
+
+  returncode: int
+  stdout: str
+  stderr: str
+
+
+def _argv(out, args, devices):
+  chosen = ("--devices", str(devices)) if devices else ()
+  return ["--no-progress", *chosen, "--out", str(out), *args]
+
+
+def _run(tmp_path, *args, name="out", devices=2):
+  """``runner.main`` in this process, its output and exit status kept."""
+  # The backend started first, so that the runner cannot change this
+  # process' device count (it asks for its own only before JAX starts).
+  assert len(jax.devices()) == 4  # conftest.py's simulated devices.
+  out = tmp_path / name
+  stdout, stderr = io.StringIO(), io.StringIO()
+  with (
+    contextlib.chdir(tmp_path),
+    contextlib.redirect_stdout(stdout),
+    contextlib.redirect_stderr(stderr),
+  ):
+    try:
+      code = runner.main(_argv(out, args, devices))
+    except SystemExit as exit_:  # As the interpreter reports one.
+      code = exit_.code
+      if not isinstance(code, int | None):
+        print(code, file=sys.stderr)
+        code = 1
+  return _Done(code or 0, stdout.getvalue(), stderr.getvalue()), out
+
+
+def _run_command(tmp_path, *args, name="out", devices=2, cache=True):
+  """``python -m immgrad.experiments`` in a subprocess, as a user runs it."""
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)  # The runner makes its own devices.
   env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
   if cache:
-    # The runs here compile many of the same programs (the digits task's
-    # plain, current and updated steps): a JAX compilation cache shared by
-    # this run's tests (in tmp_path's parent) halves a run's CPU time once
-    # warm, with the same numbers. The runs are one at a time (xdist keeps
-    # a module in one worker), so no two processes write it at once.
+    # Its steps share programs (plain, current and updated evaluate
+    # alike): a JAX compilation cache, the same numbers.
     env.update(
-      JAX_COMPILATION_CACHE_DIR=str(tmp_path.parent / "jax_cache"),
+      JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"),
       JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
       JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
     )
   out = tmp_path / name
-  chosen = ("--devices", str(devices)) if devices else ()
   done = subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "immgrad.experiments",
-      "--no-progress",
-      *chosen,
-      "--out",
-      str(out),
-      *args,
-    ],
+    [sys.executable, "-m", "immgrad.experiments", *_argv(out, args, devices)],
     env=env,
     cwd=tmp_path,
     capture_output=True,
@@ -91,8 +122,9 @@ def test_digits_end_to_end_and_deterministic(tmp_path):
   assert results["aggregates"]["0.003"]["plain"]["final_train_loss"]["n"] == 2
   assert results["machine"]["devices"] and results["settings"]["devices"] == 2
 
-  # Compiled afresh, so that determinism still covers XLA's compilation.
-  second, out2 = _run(tmp_path, *args, name="b", cache=False)
+  # Compiled afresh, so that determinism still covers XLA's compilation,
+  # as a user runs it: its own process, 2 devices made by the runner.
+  second, out2 = _run_command(tmp_path, *args, name="b", cache=False)
   assert second.returncode == 0, second.stderr[-3000:]
   again = json.loads((out2 / "results.json").read_text())["runs"]
   assert [r["losses"] for r in again] == [r["losses"] for r in runs]
@@ -412,7 +444,7 @@ def test_compare_modes_rule():
 
 
 def test_lm_tiny_quick_end_to_end_on_the_default_devices(tmp_path):
-  done, out = _run(
+  done, out = _run_command(
     tmp_path, "--task", "lm", "--size", "tiny", "--quick", devices=None
   )
   assert done.returncode == 0, done.stderr[-3000:]
@@ -487,8 +519,6 @@ def test_split_runs_merge_into_the_joint_run(tmp_path):
 
 
 def test_default_devices_are_the_backends_local_devices(monkeypatch):
-  from immgrad.experiments import __main__ as runner  # pylint: disable=g-import-not-at-top
-
   cpus = jax.local_devices()
   assert len(cpus) == 4  # conftest.py's simulated devices.
   assert runner.training_devices() == cpus[: runner.CPU_DEVICES]
