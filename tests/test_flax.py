@@ -671,9 +671,12 @@ def test_other_threads_see_flax_while_a_step_traces():
 
 
 def _step_of(loss_fn, params, *args, **options):
+  """One ``mode="current"`` step of ``immediate(loss_fn, **options)``."""
   tx = immgrad.shim(optax.sgd(0.1))
   return jax.jit(
-    immgrad.value_and_grad(immgrad.flax.immediate(loss_fn, **options), tx)
+    immgrad.value_and_grad(
+      immgrad.flax.immediate(loss_fn, **options), tx, mode="current"
+    )
   )(params, tx.init(params), *args)
 
 
@@ -743,6 +746,21 @@ def test_modules_not_listed_keep_ordinary_gradients():
     "ConvLocal_0": {"kernel": False, "bias": False},
     "Dense_0": {"kernel": True, "bias": True},
   }
+
+
+def test_nnx_model_passed_as_a_pytree_is_immediate():
+  """An NNX module is a pytree: passed to the loss as it is (no split),
+  its leaves are found in it, not only in nnx.merge's graphs.
+  """
+  model = nnx.Sequential(
+    nnx.Linear(3, 4, rngs=nnx.Rngs(0)),
+    nnx.relu,
+    nnx.LayerNorm(4, rngs=nnx.Rngs(1)),
+  )
+  loss_fn = lambda m, x: jnp.sum(jnp.sin(m(x)))
+  x = jax.random.normal(jax.random.PRNGKey(1), (2, 3))
+  stepped = _assert_plain(loss_fn, model, x)
+  assert stepped == [True] * 4
 
 
 def test_a_wrapped_function_given_no_parameter_is_refused():

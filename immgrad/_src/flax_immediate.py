@@ -23,8 +23,9 @@ module by identity, the leaf being the very object Flax stores:
 
 * NNX: the graphs ``fn`` builds with ``nnx.merge`` (``graphlib.unflatten``
   returning, seen through this thread's profile hook, ``sys.setprofile``:
-  nothing is patched); a leaf's module is the nearest ``nnx.Module`` above
-  its ``Variable`` in that graph.
+  nothing is patched), and NNX modules among ``fn``'s arguments (a module
+  is a pytree); a leaf's module is the nearest ``nnx.Module`` above its
+  ``Variable`` in that graph.
 * Linen: ``nn.intercept_methods`` (Linen's public, thread-local seam); a
   leaf's module is the innermost module called whose ``variables`` hold it.
 """
@@ -173,6 +174,10 @@ def _owners(fn, treedef, leaves: list, candidates: list) -> dict:
     index = {id(full[i]): i for i in dynamic if candidates[i]}
     calls = []
     args, kwargs = treedef.unflatten(full)
+    is_module = lambda x: isinstance(x, nnx.Module)
+    for node in jax.tree.leaves((args, kwargs), is_leaf=is_module):
+      if is_module(node):  # An NNX model passed as it is (a pytree).
+        owners.update(_nnx_owners(node, index))
     with _linen_calls(calls), _merged(index, owners):
       fn(*args, **kwargs)
     owners.update(_linen_owners(calls, index))
