@@ -886,21 +886,27 @@ def test_module_inside_a_transformation_trains_as_plain(transform):
   assert all(_assert_plain(loss_fn, params, x))
 
 
-def test_module_with_batched_weights_trains_as_plain():
-  """An ensemble (weights mapped by jax.vmap, the module merged inside
-  it): refused before; now it trains as plain, with ordinary gradients.
-  The module is built from vmap's batched copies, so the leaves are not
-  found in it (what has to stay for it: nothing).
+@pytest.mark.parametrize("transform", ["jax.vmap", "jax.jit", "jax.checkpoint"])
+def test_module_merged_inside_a_transformation_trains_ordinarily(transform):
+  """The parameters passed into a JAX transformation, the module merged
+  inside it: an ensemble (weights mapped by jax.vmap, refused before), or
+  a jit or checkpoint taking the params (refused before). It trains as
+  plain, with ordinary gradients: the module is built from the
+  transformation's copies, in which the leaves are not found (merge
+  outside, or use nnx.jit / nnx.remat, which take the module: immediate).
   """
   graphdef, params = nnx.split(nnx.Linear(3, 3, rngs=nnx.Rngs(0)), nnx.Param)
-  stacked = _random_like(
-    jax.tree.map(lambda a: jnp.stack([a, a]), params), jax.random.PRNGKey(2)
-  )
-
-  def loss_fn(p, x):
-    return jnp.sum(jnp.sin(jax.vmap(lambda q: nnx.merge(graphdef, q)(x))(p)))
-
-  assert not any(_assert_plain(loss_fn, stacked, jnp.ones((2, 3))))
+  params = _random_like(params, jax.random.PRNGKey(2))
+  apply = lambda p, x: nnx.merge(graphdef, p)(x)
+  if transform == "jax.vmap":
+    params = jax.tree.map(lambda a: jnp.stack([a, 2 * a]), params)
+    apply = jax.vmap(apply, in_axes=(0, None))
+  else:
+    apply = {"jax.jit": jax.jit, "jax.checkpoint": jax.checkpoint}[transform](
+      apply
+    )
+  loss_fn = lambda p, x: jnp.sum(jnp.sin(apply(p, x)))
+  assert not any(_assert_plain(loss_fn, params, jnp.ones((2, 3))))
 
 
 def test_without_flax_import_says_what_to_install():
