@@ -887,26 +887,47 @@ def test_module_inside_a_transformation_trains_as_plain(transform):
 
 
 @pytest.mark.parametrize("transform", ["jax.vmap", "jax.jit", "jax.checkpoint"])
-def test_module_merged_inside_a_transformation_trains_ordinarily(transform):
-  """The parameters passed into a JAX transformation, the module merged
-  inside it: an ensemble (weights mapped by jax.vmap, refused before), or
-  a jit or checkpoint taking the params (refused before). It trains as
-  plain, with ordinary gradients: the module is built from the
-  transformation's copies, in which the leaves are not found (merge
-  outside, or use nnx.jit / nnx.remat, which take the module: immediate).
+def test_module_merged_inside_a_transformation_is_refused(transform):
+  """The parameters passed into a JAX transformation and the module merged
+  inside it (an ensemble mapped by jax.vmap; a jit or checkpoint taking
+  the params): the module holds the transformation's copies, in which the
+  leaves are not found, so they would silently train ordinarily. Refused,
+  naming the leaf and the way out; the way out (merging outside, the
+  transformation closing over the module) makes the layer immediate.
   """
   graphdef, params = nnx.split(nnx.Linear(3, 3, rngs=nnx.Rngs(0)), nnx.Param)
   params = _random_like(params, jax.random.PRNGKey(2))
-  apply = lambda p, x: nnx.merge(graphdef, p)(x)
+  wrap = {"jax.vmap": jax.vmap, "jax.jit": jax.jit}.get(
+    transform, jax.checkpoint
+  )
   if transform == "jax.vmap":
     params = jax.tree.map(lambda a: jnp.stack([a, 2 * a]), params)
-    apply = jax.vmap(apply, in_axes=(0, None))
+    apply = jax.vmap(lambda p, x: nnx.merge(graphdef, p)(x), in_axes=(0, None))
   else:
-    apply = {"jax.jit": jax.jit, "jax.checkpoint": jax.checkpoint}[transform](
-      apply
-    )
+    apply = wrap(lambda p, x: nnx.merge(graphdef, p)(x))
+    outside = lambda p, x: wrap(nnx.merge(graphdef, p))(x)
+  x = jnp.ones((2, 3))
   loss_fn = lambda p, x: jnp.sum(jnp.sin(apply(p, x)))
-  assert not any(_assert_plain(loss_fn, params, jnp.ones((2, 3))))
+  with pytest.raises(
+    ValueError, match=r"args\[0\]\['(bias|kernel)'\].*jax.jit"
+  ):
+    _step_of(loss_fn, params, x)
+  if transform != "jax.vmap":  # vmap over a module's weights: see docs.
+    loss_fn = lambda p, x: jnp.sum(jnp.sin(outside(p, x)))
+    assert all(_assert_plain(loss_fn, params, x))
+
+
+def test_linen_module_applied_inside_jax_jit_is_refused():
+  """Linen's model.apply inside a jax.jit that takes the params: refused
+  as NNX's merge is (the module's variables are jit's copies).
+  """
+  model = nn.Dense(2)
+  x = jnp.ones((2, 3))
+  params = model.init(jax.random.PRNGKey(0), x)["params"]
+  apply = jax.jit(lambda p, x: model.apply({"params": p}, x))
+  loss_fn = lambda p, x: jnp.sum(jnp.sin(apply(p, x)))
+  with pytest.raises(ValueError, match=r"copies of its parameters"):
+    _step_of(loss_fn, params, x)
 
 
 def test_without_flax_import_says_what_to_install():

@@ -67,6 +67,16 @@ LINEN_MODULES = (
   nn.Embed,
 )
 DEFAULT_MODULES = NNX_MODULES + LINEN_MODULES
+_LOST = (
+  "immgrad.flax.immediate: {fn} builds a Flax module from copies of its "
+  "parameters, so the module of parameter {leaf} is not found and it would "
+  "train ordinarily. This happens when the params are passed into a JAX "
+  "transformation (jax.jit, jax.vmap, jax.checkpoint) and the module is "
+  "merged or applied inside it. Merge or apply outside, closing over the "
+  "module in the transformed function, or use nnx.jit / nnx.remat / "
+  "nn.remat, which take the module; or call immgrad.immediate on the "
+  "parameters you want stepped."
+)
 
 
 def immediate(
@@ -137,7 +147,12 @@ def immediate(
     found = [step.find(leaf, _NAME) is not None for leaf in leaves]
     if not any(found):
       raise ValueError(_NO_PARAMETERS.format(fn=_name(fn)))
-    owners = _owners(fn, treedef, leaves, found)
+    owners, unseen = _owners(fn, treedef, leaves, found)
+    lost = [i for i, f in enumerate(found) if f and i not in owners]
+    if lost and unseen:
+      raise ValueError(
+        _LOST.format(fn=_name(fn), leaf=_place(keyed[lost[0]][0]))
+      )
     # Named by their place in fn's arguments, for immgrad.immediate's errors.
     names = [
       _place(path) if issubclass(owners.get(i, type), chosen) else None
@@ -157,15 +172,18 @@ def immediate(
   return wrapped
 
 
-def _owners(fn, treedef, leaves: list, candidates: list) -> dict:
-  """Leaf index -> the class of the Flax module that owns it.
+def _owners(fn, treedef, leaves: list, candidates: list) -> tuple[dict, bool]:
+  """Leaf index -> the class of the Flax module that owns it; and whether
+  a module held traced parameters that are none of the ``candidates``.
 
   Traces ``fn`` abstractly (``jax.eval_shape``) and finds the ``candidates``
   by identity in the graphs ``nnx.merge`` builds and in the ``variables``
-  of the Linen modules called.
+  of the Linen modules called. A module holding other traced parameters
+  holds a transformation's copies (``jax.jit``, ``jax.vmap``, a lifted
+  Linen transformation): a candidate found nowhere may be among them.
   """
   dynamic = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
-  owners = {}
+  owners, unseen = {}, []
 
   def probe(values):
     full = list(leaves)
@@ -178,12 +196,13 @@ def _owners(fn, treedef, leaves: list, candidates: list) -> dict:
     for node in jax.tree.leaves((args, kwargs), is_leaf=is_module):
       if is_module(node):  # An NNX model passed as it is (a pytree).
         owners.update(_nnx_owners(node, index))
-    with _linen_calls(calls), _merged(index, owners):
+    with _linen_calls(calls), _merged(index, owners, unseen):
       fn(*args, **kwargs)
     owners.update(_linen_owners(calls, index))
+    unseen.extend(_linen_copies(calls, index))
 
   jax.eval_shape(probe, [leaves[i] for i in dynamic])
-  return owners
+  return owners, any(unseen)
 
 
 class _linen_calls:  # pylint: disable=invalid-name
@@ -248,6 +267,17 @@ def _linen_owners(calls: list, index: dict, found=None) -> dict:
   return owners
 
 
+def _linen_copies(calls: list, index: dict):
+  """Per Linen call: whether its params hold a traced leaf not in ``index``."""
+  for _, _, params, inner in calls:
+    yield any(_is_copy(leaf, index) for leaf in jax.tree.leaves(params))
+    yield from _linen_copies(inner, index)
+
+
+def _is_copy(value, index: dict) -> bool:
+  return isinstance(value, jax.core.Tracer) and id(value) not in index
+
+
 def _nnx_owners(graph, index: dict):
   """(leaf index, class of the ``nnx.Module`` right above its ``Variable``)."""
   nodes = dict(nnx.iter_graph(graph))
@@ -264,7 +294,8 @@ def _nnx_owners(graph, index: dict):
 
 
 class _merged:  # pylint: disable=invalid-name
-  """Context manager: the owners of leaves in graphs ``nnx.merge`` builds.
+  """Context manager: the owners of leaves in graphs ``nnx.merge`` builds,
+  and whether each holds parameters that are copies (``_is_copy``).
 
   Through this thread's profile hook (``sys.setprofile``, chained to one
   already set): each ``graphlib.unflatten`` call's return value, read at
@@ -273,17 +304,25 @@ class _merged:  # pylint: disable=invalid-name
 
   _CODE = graphlib.unflatten.__code__
 
-  def __init__(self, index: dict, owners: dict):
-    self._index, self._owners = index, owners
+  def __init__(self, index: dict, owners: dict, unseen: list):
+    self._index, self._owners, self._unseen = index, owners, unseen
     self._outer = None
 
   def __enter__(self):
     self._outer = outer = sys.getprofile()
-    index, owners, code = self._index, self._owners, self._CODE
+    index, owners, unseen = self._index, self._owners, self._unseen
+    code = self._CODE
 
     def hook(frame, event, arg):
       if event == "return" and frame.f_code is code:
         owners.update(_nnx_owners(arg, index))
+        unseen.append(
+          any(
+            isinstance(node, nnx.Param)
+            and _is_copy(node.get_raw_value(), index)
+            for _, node in nnx.iter_graph(arg)
+          )
+        )
       if outer is not None:
         outer(frame, event, arg)
 
