@@ -1,12 +1,13 @@
 """Flax integration: unmodified NNX and Linen models made immediate.
 
-* ``immediate(fn, modules=...)``: every call of Flax's weight-carrying
-  modules inside ``fn`` (NNX ``nnx.Linear``, ``nnx.LinearGeneral``,
-  ``nnx.Einsum``, ``nnx.Conv``, ``nnx.LayerNorm``, ``nnx.RMSNorm``,
-  ``nnx.Embed``; Linen ``nn.Dense``, ``nn.DenseGeneral``, ``nn.Conv``,
-  ``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.Embed``) updates its weights
-  immediately inside ``immgrad.value_and_grad``. The params tree is Flax's
-  own (``nnx.split(model, nnx.Param)``'s state, Linen's ``params``).
+* ``immediate(fn, modules=...)``: :func:`immgrad.immediate` for ``fn``,
+  stepping the parameters of the chosen Flax modules (by default NNX
+  ``nnx.Linear``, ``nnx.LinearGeneral``, ``nnx.Einsum``, ``nnx.Conv``,
+  ``nnx.LayerNorm``, ``nnx.RMSNorm``, ``nnx.Embed``; Linen ``nn.Dense``,
+  ``nn.DenseGeneral``, ``nn.Conv``, ``nn.LayerNorm``, ``nn.RMSNorm``,
+  ``nn.Embed``) immediately inside ``immgrad.value_and_grad``; Flax's own
+  code runs unchanged. The params tree is Flax's own
+  (``nnx.split(model, nnx.Param)``'s state, Linen's ``params``).
 * ``DEFAULT_MODULES``: those classes, the default of ``modules``.
 
 Needs Flax: ``pip install "immgrad[flax]"``.

@@ -15,6 +15,8 @@ of ``2 * wd * w`` added before or after the loss's other gradients:
 the same tolerance.
 """
 
+import re
+
 import pytest
 
 pytest.importorskip(
@@ -229,19 +231,39 @@ def _tied():
   return loss_fn, params, batches
 
 
-def test_tied_embedding_refusal_says_the_fix():
+def _stepped(loss_fn, params, batch, **options):
+  """Which leaves one step of ``immediate(loss_fn)`` made immediate."""
+  tx = immgrad.shim(optax.sgd(0.1))
+  _, grads = immgrad.value_and_grad(
+    immgrad.flax.immediate(loss_fn, **options), tx
+  )(params, tx.init(params), batch)
+  is_immediate = lambda g: isinstance(g, immgrad.ImmediateGrad)
+  return jax.tree.map(is_immediate, grads, is_leaf=is_immediate)
+
+
+def test_tied_embedding_trains_ordinarily_and_is_reported():
+  """Refused while immgrad.flax patched nnx.Embed (JAX would add the two
+  immediate layers' new tables). immgrad.immediate gives the table, read by
+  the lookup and by ``attend``, an ordinary gradient, the rest stays
+  immediate, and immgrad.layers says why.
+  """
   loss_fn, params, batches = _tied()
-  tx = immgrad.shim(optax.adam(1e-2))
-  with pytest.raises(
-    ValueError,
-    match=r"'embed'\]\['embedding'\].*"
-    r"'nnx.Embed' and also by an ordinary operation.*tied "
-    r"weights.*leave that layer's module class out of "
-    r"`modules=`",
-  ):
-    _immediate(immgrad.flax.immediate(loss_fn), tx)(
-      params, tx.init(params), batches[0]
-    )
+  adam = optax.adam(1e-2)
+  want = _train(loss_fn, params, batches, adam, _plain(loss_fn, adam))
+  tx = immgrad.shim(adam)
+  got = _train(
+    loss_fn,
+    params,
+    batches,
+    tx,
+    _immediate(immgrad.flax.immediate(loss_fn), tx),
+  )
+  chex.assert_trees_all_close(got, want, atol=ATOL, rtol=RTOL)
+  stepped = _stepped(loss_fn, params, batches[0])
+  assert jax.tree.leaves(stepped["embed"]) == [False]
+  assert jax.tree.leaves(stepped["hidden"]) == [True, True]
+  report = str(immgrad.layers(loss_fn, params, batches[0]))
+  assert re.search(r"\['embed'\]\['embedding'\].*read by 2 layers", report)
 
 
 def test_tied_embedding_left_out_of_modules_trains_as_plain():
@@ -295,17 +317,27 @@ def _l2():
   return data_loss, l2_loss, params, batches
 
 
-def test_l2_in_the_loss_refusal_says_the_fix():
+def test_l2_in_the_loss_trains_ordinarily_and_is_reported():
+  """Refused while immgrad.flax patched the layers. Each weight, read by
+  its layer and by the penalty, now keeps an ordinary gradient (plain
+  training), and immgrad.layers says why; the fix stays the optimizer's
+  weight decay (next test), which makes them immediate.
+  """
   _, l2_loss, params, batches = _l2()
-  tx = immgrad.shim(optax.sgd(0.1))
-  with pytest.raises(
-    ValueError,
-    match=r"also by an ordinary operation.*L2 "
-    r"penalty.*optax.add_decayed_weights or optax.adamw",
-  ):
-    _immediate(immgrad.flax.immediate(l2_loss), tx)(
-      params, tx.init(params), batches[0]
-    )
+  sgd = optax.sgd(0.1)
+  want = _train(l2_loss, params, batches, sgd, _plain(l2_loss, sgd))
+  tx = immgrad.shim(sgd)
+  got = _train(
+    l2_loss,
+    params,
+    batches,
+    tx,
+    _immediate(immgrad.flax.immediate(l2_loss), tx),
+  )
+  chex.assert_trees_all_close(got, want, atol=ATOL, rtol=RTOL)
+  assert not any(jax.tree.leaves(_stepped(l2_loss, params, batches[0])))
+  report = str(immgrad.layers(l2_loss, params, batches[0]))
+  assert report.count("read by 2 layers") == 4
 
 
 def test_l2_moved_into_the_optimizer_trains_as_plain():
@@ -322,3 +354,4 @@ def test_l2_moved_into_the_optimizer_trains_as_plain():
     _immediate(immgrad.flax.immediate(data_loss), tx),
   )
   chex.assert_trees_all_close(got, want, atol=ATOL, rtol=RTOL)
+  assert all(jax.tree.leaves(_stepped(data_loss, params, batches[0])))

@@ -1,69 +1,103 @@
 """``immgrad.flax.immediate``: unmodified Flax models (NNX and Linen).
 
-``immediate(fn)`` runs ``fn`` with two interceptions in place; inside
-``immgrad.value_and_grad`` each call of a chosen Flax module (by default
-NNX's ``Linear``, ``LinearGeneral``, ``Einsum``, ``Conv``, ``LayerNorm``,
-``RMSNorm``, ``Embed`` and Linen's ``Dense``, ``DenseGeneral``, ``Conv``,
-``LayerNorm``, ``RMSNorm``, ``Embed``, including those inside
-``nnx.MultiHeadAttention`` or your own modules) is computed by
-``flax_layers``: the module's own parameter arrays, through an immediate
-layer. Other modules (``BatchNorm``, whose statistics are not parameters,
-transposed or local convolutions, your own) keep ordinary gradients, which
-the shim applies. Outside a step every module runs Flax's code unchanged.
+``immediate(fn, modules)`` is :func:`immgrad.immediate` (``auto.py``) with
+one piece of Flax knowledge: which parameter leaves it may step. Inside
+``immgrad.value_and_grad`` it finds, among all of ``fn``'s arguments, the
+parameter leaves of the step whose innermost Flax module is one of
+``modules`` (by default NNX's ``Linear``, ``LinearGeneral``, ``Einsum``,
+``Conv``, ``LayerNorm``, ``RMSNorm``, ``Embed`` and Linen's ``Dense``,
+``DenseGeneral``, ``Conv``, ``LayerNorm``, ``RMSNorm``, ``Embed``, inside
+attention or your own modules too), and hands those to
+:func:`immgrad.immediate` as the parameter tree. Every other leaf is an
+argument like the data: it keeps an ordinary gradient, which the shim
+applies. Flax's own code runs unchanged; the program it traces says where
+the layers are, so subclasses, ``nn.remat``, ``nnx.jit``, wrappers that
+compute the weight (``nn.WeightNorm``) and vmapped weights need nothing
+here.
 
-* Linen: ``nn.intercept_methods``, Linen's public seam (thread-local). Its
-  context names the method, not the class that defines it, so a call is
-  matched by the undecorated function (``nn.Dense.__call__.__wrapped__``):
-  a subclass whose ``__call__`` calls ``super().__call__`` is reached at
-  the base, as with Haiku's ``orig_class``. ``init`` is never intercepted.
-* NNX has no interception seam, so, as ``nnx.capture`` does, we replace
-  ``__call__`` on the classes that define it, while a wrapped ``fn`` runs
-  in any thread (a lock and a depth count install and remove it). The
-  replacement does its work only on the threads that are inside a wrapped
-  ``fn``; elsewhere it calls the original at once.
+The params tree (``nnx.split``'s ``State``, Linen's ``params`` dict) does
+not name module classes: the graph (NNX's ``GraphDef``, Linen's module)
+does, and ``fn`` usually closes over it. So a first, abstract trace of
+``fn`` (``jax.eval_shape``: trace time only, no FLOP) finds each leaf's
+module by identity, the leaf being the very object Flax stores:
 
-The modules read their parameters as the objects in the params tree (NNX's
-``variable[...]`` and Linen's ``get_variable``), which is how an immediate
-layer finds their optimizer state. A module whose weights are
-reparametrised is refused by name (``reparam.py``): a Linen subclass
-overriding a method of its Flax class (BiT's ``StdConv`` overrides
-``param()``), a weight computed from the params (``nn.WeightNorm``,
-``nnx.SpectralNorm``, ``nn.map_variables``, a property), or a Linen
-interceptor installed inside ``immediate``, which ours would skip (found in
-Linen's private ``_global_interceptor_stack``). See
-``docs/reparametrised.md``.
+* NNX: the graphs ``fn`` builds with ``nnx.merge`` (``graphlib.unflatten``
+  returning, seen through this thread's profile hook, ``sys.setprofile``:
+  nothing is patched), and NNX modules among ``fn``'s arguments (a module
+  is a pytree); a leaf's module is the nearest ``nnx.Module`` above its
+  ``Variable`` in that graph.
+* Linen: ``nn.intercept_methods`` (Linen's public, thread-local seam); a
+  leaf's module is the innermost module called whose ``variables`` hold it.
 """
 
 import functools
-import threading
+import sys
 from typing import Any, Callable, Sequence
 
 from flax import linen as nn
-from flax.linen import module as linen_module
+from flax import nnx
+from flax.nnx import graphlib
+import jax
 
+from immgrad._src import auto
 from immgrad._src import context
-from immgrad._src import flax_layers
-from immgrad._src import reparam
 
-_ADAPTER = "immgrad.flax.immediate"
+_NAME = "immgrad.flax.immediate"
+_NO_PARAMETERS = (
+  "immgrad.flax.immediate: {fn} was called in a step with none of the "
+  "step's parameters among its arguments. Parameters it closes over would "
+  "train ordinarily: pass them to it (as the loss gets them)."
+)
 
-DEFAULT_MODULES = tuple(flax_layers.NNX) + flax_layers.LINEN_CLASSES
+NNX_MODULES = (
+  nnx.Linear,
+  nnx.LinearGeneral,
+  nnx.Einsum,
+  nnx.Conv,
+  nnx.LayerNorm,
+  nnx.RMSNorm,
+  nnx.Embed,
+)
+LINEN_MODULES = (
+  nn.Dense,
+  nn.DenseGeneral,
+  nn.Conv,
+  nn.LayerNorm,
+  nn.RMSNorm,
+  nn.Embed,
+)
+DEFAULT_MODULES = NNX_MODULES + LINEN_MODULES
+_LOST = (
+  "immgrad.flax.immediate: {fn} builds a Flax module from copies of its "
+  "parameters, so the module of parameter {leaf} is not found and it would "
+  "train ordinarily. This happens when the params are passed into a JAX "
+  "transformation (jax.jit, jax.vmap, jax.checkpoint) and the module is "
+  "merged or applied inside it. Merge or apply outside, closing over the "
+  "module in the transformed function, or use nnx.jit / nnx.remat / "
+  "nn.remat, which take the module; or call immgrad.immediate on the "
+  "parameters you want stepped."
+)
 
 
 def immediate(
   fn: Callable[..., Any], modules: Sequence[type] = DEFAULT_MODULES
 ) -> Callable[..., Any]:
-  """Makes the chosen Flax modules called in ``fn`` immediate layers.
+  """Makes the weights of the chosen Flax modules in ``fn`` immediate.
 
   Args:
-    fn: a loss (or forward) function that calls Flax modules: an NNX model
-      (``nnx.merge(graphdef, params)(x)``) or a Linen ``model.apply``.
-    modules: the module classes to make immediate (subclasses included):
-      any of :data:`DEFAULT_MODULES` (the default: all of them).
+    fn: a loss (or forward) function that calls Flax modules, with their
+      parameters among its arguments (anywhere, keyword arguments too): an
+      NNX model (``nnx.merge(graphdef, params)(x)``) or a Linen
+      ``model.apply``.
+    modules: the ``nnx.Module`` or ``nn.Module`` classes (subclasses
+      included) whose own parameters are stepped in the backward pass,
+      where the traced program allows it (see :func:`immgrad.layers`).
+      Default: :data:`DEFAULT_MODULES`. ``(nnx.Module, nn.Module)`` chooses
+      every module's parameters.
 
   Returns:
-    ``fn``, with those modules' weights updated during the backward pass
-    inside ``immgrad.value_and_grad``. Outside it, ``fn`` is unchanged.
+    ``fn``, with those weights updated during the backward pass inside
+    ``immgrad.value_and_grad``. Outside it, ``fn`` itself.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax
@@ -103,127 +137,218 @@ def immediate(
     )
   chosen = _check_modules(modules)
 
-  def interceptor(next_fun, args, kwargs, ctx):
-    if context.current() is None:
-      return next_fun(*args, **kwargs)
-    implementation = flax_layers.LINEN.get(
-      getattr(ctx.orig_method, "func", None)
-    )
-    if (
-      implementation is None
-      or not isinstance(ctx.module, chosen)
-      or ctx.module.is_initializing()
-    ):
-      return next_fun(*args, **kwargs)
-    _check_linen_call(ctx.module, interceptor)
-    return implementation(ctx.module, next_fun, *args, **kwargs)
-
-  interceptor.immgrad = True  # Ours: see _check_linen_call.
-
   @functools.wraps(fn)
   def wrapped(*args, **kwargs):
-    with nn.intercept_methods(interceptor), _nnx_calls(chosen):
+    step = context.current()
+    if step is None:
       return fn(*args, **kwargs)
+    keyed, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
+    leaves = [leaf for _, leaf in keyed]
+    found = [step.find(leaf, _NAME) is not None for leaf in leaves]
+    if not any(found):
+      raise ValueError(_NO_PARAMETERS.format(fn=_name(fn)))
+    owners, unseen = _owners(fn, treedef, leaves, found)
+    lost = [i for i, f in enumerate(found) if f and i not in owners]
+    if lost and unseen:
+      raise ValueError(
+        _LOST.format(fn=_name(fn), leaf=_place(keyed[lost[0]][0]))
+      )
+    # Named by their place in fn's arguments, for immgrad.immediate's errors.
+    names = [
+      _place(path) if issubclass(owners.get(i, type), chosen) else None
+      for i, (path, _) in enumerate(keyed)
+    ]
+    params = {n: leaf for n, leaf in zip(names, leaves) if n}
+    others = [leaf for n, leaf in zip(names, leaves) if not n]
+
+    def call(params, others):
+      others = iter(others)
+      full = [params[n] if n else next(others) for n in names]
+      args, kwargs = treedef.unflatten(full)
+      return fn(*args, **kwargs)
+
+    return auto.immediate(call)(params, others)
 
   return wrapped
 
 
-def _check_linen_call(module: nn.Module, ours: Callable) -> None:
-  """Refuses a Linen call whose arithmetic ours would not reproduce.
+def _owners(fn, treedef, leaves: list, candidates: list) -> tuple[dict, bool]:
+  """Leaf index -> the class of the Flax module that owns it; and whether
+  a module held traced parameters that are none of the ``candidates``.
 
-  That is a subclass overriding a method of the Flax class (BiT's
-  ``StdConv`` overrides ``param()``), or an interceptor installed inside
-  ``immediate``: Linen runs interceptors outermost first, so ours would
-  answer the call and skip it. (The interceptor stack is Linen's private
-  ``_global_interceptor_stack``, innermost first.)
+  Traces ``fn`` abstractly (``jax.eval_shape``) and finds the ``candidates``
+  by identity in the graphs ``nnx.merge`` builds and in the ``variables``
+  of the Linen modules called. A module holding other traced parameters
+  holds a transformation's copies (``jax.jit``, ``jax.vmap``, a lifted
+  Linen transformation): a candidate found nowhere may be among them.
   """
-  base, base_name = flax_layers.base_class(module)
-  reparam.check_overrides(_ADAPTER, module, base, base_name)
-  for interceptor in linen_module._global_interceptor_stack:
-    if interceptor is ours:
-      return
-    if not getattr(interceptor, "immgrad", False):
-      raise ValueError(
-        f"{_ADAPTER}: the Linen interceptor {interceptor!r}, installed "
-        f"inside it, would be skipped for {base_name} "
-        f"{flax_layers.linen_name(module)!r}, whose call immgrad computes "
-        "itself. Install it outside instead (nn.intercept_methods around "
-        "the call of the wrapped function), so that it runs first, or "
-        f"leave {base_name} out of `modules=`."
-      )
+  dynamic = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
+  owners, unseen = {}, []
+
+  def probe(values):
+    full = list(leaves)
+    for i, value in zip(dynamic, values):
+      full[i] = value
+    index = {id(full[i]): i for i in dynamic if candidates[i]}
+    calls = []
+    args, kwargs = treedef.unflatten(full)
+    is_module = lambda x: isinstance(x, nnx.Module)
+    for node in jax.tree.leaves((args, kwargs), is_leaf=is_module):
+      if is_module(node):  # An NNX model passed as it is (a pytree).
+        owners.update(_nnx_owners(node, index))
+    with _linen_calls(calls), _merged(index, owners, unseen):
+      fn(*args, **kwargs)
+    owners.update(_linen_owners(calls, index))
+    unseen.extend(_linen_copies(calls, index))
+
+  jax.eval_shape(probe, [leaves[i] for i in dynamic])
+  return owners, any(unseen)
+
+
+class _linen_calls:  # pylint: disable=invalid-name
+  """Context manager: records the Linen module calls on this thread.
+
+  Each as ``[module, scope path, params, calls made inside it]``, through
+  ``nn.intercept_methods``.
+  """
+
+  def __init__(self, calls: list):
+    self._calls = calls
+    self._intercept = None
+
+  def __enter__(self):
+    stack = [self._calls]
+
+    def interceptor(next_fun, args, kwargs, ctx):
+      module = ctx.module
+      inner = []
+      params = module.variables.get("params", {}) if module.scope else {}
+      path = tuple(module.scope.path) if module.scope else ()
+      stack[-1].append((type(module), path, params, inner))
+      stack.append(inner)
+      try:
+        return next_fun(*args, **kwargs)
+      finally:
+        stack.pop()
+
+    self._intercept = nn.intercept_methods(interceptor)
+    self._intercept.__enter__()
+
+  def __exit__(self, *exc):
+    self._intercept.__exit__(*exc)
+
+
+def _linen_owners(calls: list, index: dict, found=None) -> dict:
+  """Leaf index -> the class of the innermost Linen module holding it.
+
+  A module holds a leaf found by identity in its ``variables["params"]``;
+  inside a lifted transformation (``nn.remat``, ``nn.scan``) the module
+  sees copies, so below the innermost module holding it by identity, a
+  module called inside it holds a leaf by its scope path.
+  """
+  owners = {}
+  for cls, path, params, inner in calls:
+    here = dict(found or {})
+    for key_path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+      i = index.get(id(leaf))
+      if i is not None:
+        keys = tuple(k.key for k in key_path if hasattr(k, "key"))
+        here[i] = path + keys
+    held = [
+      (i, (len(path), cls))
+      for i, leaf_path in here.items()
+      if leaf_path[: len(path)] == path and len(leaf_path) > len(path)
+    ]
+    for i, owner in held + list(_linen_owners(inner, index, here).items()):
+      if owner[0] >= owners.get(i, (-1,))[0]:
+        owners[i] = owner
+  if found is None:
+    return {i: cls for i, (_, cls) in owners.items()}
+  return owners
+
+
+def _linen_copies(calls: list, index: dict):
+  """Per Linen call: whether its params hold a traced leaf not in ``index``."""
+  for _, _, params, inner in calls:
+    yield any(_is_copy(leaf, index) for leaf in jax.tree.leaves(params))
+    yield from _linen_copies(inner, index)
+
+
+def _is_copy(value, index: dict) -> bool:
+  return isinstance(value, jax.core.Tracer) and id(value) not in index
+
+
+def _nnx_owners(graph, index: dict):
+  """(leaf index, class of the ``nnx.Module`` right above its ``Variable``)."""
+  nodes = dict(nnx.iter_graph(graph))
+  for path, node in nodes.items():
+    if not isinstance(node, nnx.Variable):
+      continue
+    i = index.get(id(node.get_raw_value()))
+    if i is None:
+      continue
+    for end in range(len(path) - 1, -1, -1):
+      if isinstance(nodes.get(path[:end]), nnx.Module):
+        yield i, type(nodes[path[:end]])
+        break
+
+
+class _merged:  # pylint: disable=invalid-name
+  """Context manager: the owners of leaves in graphs ``nnx.merge`` builds,
+  and whether each holds parameters that are copies (``_is_copy``).
+
+  Through this thread's profile hook (``sys.setprofile``, chained to one
+  already set): each ``graphlib.unflatten`` call's return value, read at
+  once (an NNX transformation later writes new values into it).
+  """
+
+  _CODE = graphlib.unflatten.__code__
+
+  def __init__(self, index: dict, owners: dict, unseen: list):
+    self._index, self._owners, self._unseen = index, owners, unseen
+    self._outer = None
+
+  def __enter__(self):
+    self._outer = outer = sys.getprofile()
+    index, owners, unseen = self._index, self._owners, self._unseen
+    code = self._CODE
+
+    def hook(frame, event, arg):
+      if event == "return" and frame.f_code is code:
+        owners.update(_nnx_owners(arg, index))
+        unseen.append(
+          any(
+            isinstance(node, nnx.Param)
+            and _is_copy(node.get_raw_value(), index)
+            for _, node in nnx.iter_graph(arg)
+          )
+        )
+      if outer is not None:
+        outer(frame, event, arg)
+
+    sys.setprofile(hook)
+
+  def __exit__(self, *exc):
+    sys.setprofile(self._outer)
+
+
+def _place(path) -> str:
+  """``args[0]['layers'][1]['kernel']``: a leaf's place in fn's arguments."""
+  return ("args", "kwargs")[path[0].idx] + jax.tree_util.keystr(path[1:])
+
+
+def _name(fn) -> str:
+  return getattr(fn, "__qualname__", repr(fn))
 
 
 def _check_modules(modules) -> tuple[type, ...]:
   if isinstance(modules, type):
     modules = (modules,)
-  names = ", ".join(
-    f"{'nnx' if c in flax_layers.NNX else 'nn'}.{c.__name__}"
-    for c in DEFAULT_MODULES
-  )
   for cls in modules:
-    if not (isinstance(cls, type) and issubclass(cls, DEFAULT_MODULES)):
-      raise ValueError(
-        f"immgrad.flax.immediate: cannot make {cls!r} immediate. Supported "
-        f"modules (and their subclasses): {names}. Other modules, such as "
-        "BatchNorm (its statistics are not parameters) or your own, keep "
-        "ordinary gradients: build custom ones from these, or from "
-        "immgrad.immediate_layer."
+    if not (isinstance(cls, type) and issubclass(cls, (nnx.Module, nn.Module))):
+      raise TypeError(
+        "immgrad.flax.immediate: modules= takes nnx.Module or nn.Module "
+        "classes (such as nnx.Linear or nn.Dense, or nnx.Module and "
+        f"nn.Module for all), got {cls!r}."
       )
   return tuple(modules)
-
-
-_local = threading.local()  # .chosen: this thread's modules, or None.
-_patch_lock = threading.Lock()
-_patch_depth = 0
-
-
-def _patched(cls: type, original: Callable) -> Callable:
-  """``cls.__call__`` that routes a chosen module's call in a step to ours."""
-  implementation = flax_layers.NNX[cls]
-
-  @functools.wraps(original)
-  def __call__(self, *args, **kwargs):  # pylint: disable=invalid-name
-    if context.current() is None:
-      return original(self, *args, **kwargs)
-    chosen = getattr(_local, "chosen", None)
-    if chosen is None or not isinstance(self, chosen):
-      return original(self, *args, **kwargs)
-    return implementation(
-      self, functools.partial(original, self), *args, **kwargs
-    )
-
-  __call__.immgrad_original = original
-  return __call__
-
-
-class _nnx_calls:  # pylint: disable=invalid-name
-  """Context manager: NNX modules' calls on this thread go to ``chosen``'s.
-
-  The class patch is process-wide while any thread is inside, which is
-  harmless: on other threads it calls the original.
-  """
-
-  def __init__(self, chosen: tuple[type, ...]):
-    self._chosen = chosen
-    self._outer = None
-
-  def __enter__(self):
-    global _patch_depth
-    with _patch_lock:
-      if _patch_depth == 0:
-        for cls in flax_layers.NNX:
-          type.__setattr__(
-            cls, "__call__", _patched(cls, cls.__dict__["__call__"])
-          )
-      _patch_depth += 1
-    self._outer = getattr(_local, "chosen", None)
-    _local.chosen = self._chosen
-
-  def __exit__(self, *exc):
-    global _patch_depth
-    _local.chosen = self._outer
-    with _patch_lock:
-      _patch_depth -= 1
-      if _patch_depth == 0:
-        for cls in flax_layers.NNX:
-          type.__setattr__(cls, "__call__", cls.__call__.immgrad_original)

@@ -1,20 +1,16 @@
 """Refusing a claimed module whose weights are not the params tree's own.
 
-An adapter (``haiku_immediate``, ``flax_immediate``, ``equinox_immediate``)
-computes a claimed module's call with its own copy of the module's
-arithmetic, reading each parameter the way the module reads it. Whatever
-changes how the module gets its weights would make that copy a different
-model, so it is refused here, by name, before a step trains it silently:
+The Haiku adapter (``haiku_immediate``) computes a claimed module's call
+with its own copy of the module's arithmetic, reading each parameter the
+way the module reads it. A weight that reaches the module computed from
+the params tree (a Haiku custom getter, mixed precision, a property) would
+make that copy a different model, so it is refused here, by name, before a
+step trains it silently: :func:`check_parameters`. The core refuses it
+too, but cannot say which module or what did it. (The Flax and Equinox
+adapters stand on ``immgrad.immediate``, which runs the module's own code
+and needs no such check.)
 
-* a Linen subclass overriding a method its call relies on (BiT's
-  ``StdConv`` standardises its kernel in ``param()``):
-  :func:`check_overrides`;
-* a weight that reaches the module computed from the params tree (weight or
-  spectral norm wrappers, ``nn.map_variables``, a Haiku custom getter, a
-  property): :func:`check_parameters`. The core refuses it too, but cannot
-  say which module or what did it.
-
-The second check asks whether the array was made by arithmetic in the
+The check asks whether the array was made by arithmetic in the
 step's own trace: a transformation inside the loss (``jax.checkpoint``, a
 loop) hands a layer arrays of another trace, and the core's message about
 those stays. That uses ``jax.core.Tracer``'s private ``_trace``; if a JAX
@@ -26,38 +22,6 @@ from typing import Any
 import jax
 
 from immgrad._src import context
-
-
-def check_overrides(
-  adapter: str, module: Any, base: type, base_name: str
-) -> None:
-  """Raises if ``type(module)`` overrides a method of ``base``.
-
-  Dataclass fields (options the adapter reads from the module) and dunder
-  methods (``__call__``, which reaches the adapter only through ``base``'s
-  own, and dataclass-generated ones) are not counted.
-  """
-  cls = type(module)
-  fields = getattr(cls, "__dataclass_fields__", {})
-  for klass in cls.__mro__[: cls.__mro__.index(base)]:
-    for name, value in vars(klass).items():
-      if (
-        name.startswith("__")
-        or name in fields
-        or not hasattr(base, name)
-        or not (
-          callable(value)
-          or isinstance(value, (property, classmethod, staticmethod))
-        )
-      ):
-        continue
-      where = "" if klass is cls else f" (in {klass.__name__})"
-      raise ValueError(
-        f"{adapter}: {base_name} subclass {cls.__name__} overrides "
-        f"{name}(){where}, which {base_name}'s call relies on; immgrad computes {base_name}'s own arithmetic and would skip "
-        f"yours, training a different model. Leave {base_name} out of "
-        f"`modules=` so that {cls.__name__} trains ordinarily."
-      )
 
 
 def check_parameters(
