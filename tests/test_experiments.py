@@ -1,8 +1,9 @@
 """``python -m immgrad.experiments``: end to end, and its definitions.
 
 The runner runs as a user runs it, in a subprocess with its own devices,
-twice: on its default devices (4 simulated CPU devices, the LM task) and
-with ``--devices 2`` (the digits task, compiled afresh). The other runs
+three times: on its default devices (4 simulated CPU devices, the LM task)
+and twice with ``--devices 2`` (the digits task, the second compiled
+afresh, which must give the same numbers). The other runs
 call its ``main`` with the same arguments in this process (conftest.py's
 4 simulated devices, ``--devices 2`` of them where the test says so), which
 spares each a new interpreter and shares this process' compiled programs.
@@ -96,7 +97,11 @@ def _run_command(tmp_path, *args, name="out", devices=2, cache=True):
 
 def test_digits_end_to_end_and_deterministic(tmp_path):
   args = ("--quick", "--steps", "30", "--seeds", "0", "1")
-  first, out = _run(tmp_path, *args, name="a")
+  # In a process of 2 devices, as the second: jax 0.7.0 rounds the same
+  # run differently in a process of 4 (conftest.py's), in the last bit of
+  # some losses (measured in CI's minimum-versions pass; jax 0.10.2 does
+  # not), which is no run-to-run difference a user could see.
+  first, out = _run_command(tmp_path, *args, name="a")
   assert first.returncode == 0, first.stderr[-3000:]
   assert "Sanity check (current reproduces plain): PASSED" in first.stdout
   assert "| updated |" in first.stdout

@@ -11,7 +11,6 @@ skipped or repeated update is off by far more.
 
 import chex
 import jax
-from jax.extend import core as jex_core
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -361,8 +360,11 @@ def _scan_outputs(jaxpr) -> list:
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == "scan":
       out += [v.aval for v in eqn.outvars]
-  for inner in jex_core.subjaxprs(jaxpr):
-    out += _scan_outputs(inner)
+    for param in eqn.params.values():  # Nested programs (jax >= 0.7.0).
+      for inner in param if isinstance(param, tuple | list) else (param,):
+        inner = getattr(inner, "jaxpr", inner)
+        if hasattr(inner, "eqns"):
+          out += _scan_outputs(inner)
   return out
 
 
