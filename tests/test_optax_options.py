@@ -316,13 +316,18 @@ def test_mask_that_does_not_fit_the_params_is_a_clear_error():
     tx.init(params)
 
 
-def test_adafactor_factors_each_layer_of_a_stack():
-  """Adafactor on a stacked (layers, 128, 256) weight, per layer slice.
+def test_adafactor_on_a_stack_equals_plain_or_is_refused():
+  """Adafactor on a stacked (layers, 128, 256) weight.
 
-  Each layer's second moments are factored as for an unrolled layer (row
-  and column statistics of that layer alone) and its update is clipped by
-  that layer's RMS, so the scanned model trains as the unrolled one does
-  under plain optax.
+  Without its per-tensor parts (clipping by the update's RMS, scaling by
+  the parameter's RMS), it factors each layer's second moments by that
+  layer's rows and columns, as plain optax does on the stack (the layer
+  axis is not among the two factored ones): the scanned model trains as
+  plain training of the stacked one, and as the unrolled one. With them
+  (the default), plain optax takes the RMS of the whole stack, which no
+  layer's step can: refused, naming the parameter. (Before, each layer
+  was clipped by its own RMS: the unrolled model's step, not the stacked
+  one's.)
   """
   layers, width, out = 3, 128, 256
   keys = jax.random.split(jax.random.PRNGKey(0), layers + 1)
@@ -334,9 +339,9 @@ def test_adafactor_factors_each_layer_of_a_stack():
   dense = immgrad.immediate_layer(lambda x, p: x @ p["w"])
 
   def plain_loss(params, x, y):
-    h = x
-    for i in range(layers):
-      h = jnp.tanh(h @ params[f"layer{i}"]["w"])
+    h, _ = jax.lax.scan(
+      lambda h, p: (jnp.tanh(h @ p["w"]), None), x, params["blocks"]
+    )
     return jnp.mean((h @ params["head"]["w"] - y) ** 2)
 
   def scan_loss(params, x, y):
@@ -345,25 +350,28 @@ def test_adafactor_factors_each_layer_of_a_stack():
     )
     return jnp.mean((dense(h, params["head"]) - y) ** 2)
 
-  def stack(tree):
-    return {
-      "blocks": jax.tree.map(
-        lambda *a: jnp.stack(a), *[tree[f"layer{i}"] for i in range(layers)]
-      ),
-      "head": tree["head"],
-    }
-
+  stacked = {
+    "blocks": jax.tree.map(
+      lambda *a: jnp.stack(a), *[unrolled[f"layer{i}"] for i in range(layers)]
+    ),
+    "head": unrolled["head"],
+  }
   data = oracles.batches(jax.random.PRNGKey(1), 4, (8, width), (8, out))
-  opt = optax.adafactor(1e-2)
-  expected, _ = _steps(plain_loss, opt, unrolled, data)
+  opt = optax.adafactor(
+    1e-2, multiply_by_parameter_scale=False, clipping_threshold=None
+  )
+  expected, _ = _steps(plain_loss, opt, stacked, data)
   got, state = _steps(
-    scan_loss, immgrad.shim(opt), stack(unrolled), data, mode="current"
+    scan_loss, immgrad.shim(opt), stacked, data, mode="current"
   )
-  chex.assert_trees_all_close(
-    got[-1], stack(expected[-1]), atol=ATOL, rtol=RTOL
-  )
+  chex.assert_trees_all_close(got, expected, atol=ATOL, rtol=RTOL)
   factored = [leaf.shape for leaf in jax.tree.leaves(state.inner)]
   assert (layers, width) in factored  # Row statistics, one set per layer.
+
+  tx = immgrad.shim(optax.adafactor(1e-2))
+  x, y = data[0]
+  with pytest.raises(ValueError, match=r"\['blocks'\]\['w'\] differently"):
+    immgrad.value_and_grad(scan_loss, tx)(stacked, tx.init(stacked), x, y)
 
 
 def test_adafactor_factoring_the_layer_axis_is_refused():

@@ -69,16 +69,12 @@ OPTIMIZERS = {
   "sgd": lambda: optax.sgd(0.1),
   "adam": lambda: optax.adam(1e-2),
   "lion": lambda: optax.lion(1e-3),
-  "clip_by_layer_norm": lambda: optax.chain(
-    immgrad.clip_by_layer_norm(0.05), optax.sgd(0.1)
-  ),
 }
 
 
 @pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
 @pytest.mark.parametrize("mode", ["current", "updated"])
 def test_scan_equals_unrolled(mode, opt_name):
-  """A per-tensor rule (the clip) sees one layer's slice, as unrolled."""
   chain, unrolled = _params()
   data = _data()
   opt = OPTIMIZERS[opt_name]()
@@ -168,6 +164,37 @@ def test_state_that_cannot_be_split_per_layer_is_an_error(opt):
   tx = immgrad.shim(opt())
   x, y = _data()[0]
   with pytest.raises(ValueError, match=r"stacked parameter \['blocks'\]"):
+    immgrad.value_and_grad(_scan_loss(), tx)(params, tx.init(params), x, y)
+
+
+@pytest.mark.parametrize(
+  "opt",
+  [
+    # Plain training decays the stacked (layers, width) bias, ndim 2; a
+    # layer's (width,) slice is not decayed. Before, this trained the
+    # unrolled model's step silently.
+    lambda: optax.adamw(
+      1e-2,
+      weight_decay=0.1,
+      mask=lambda p: jax.tree.map(lambda a: a.ndim > 1, p),
+    ),
+    # Statistics of the whole stacked tensor, which no layer has.
+    lambda: optax.chain(immgrad.clip_by_layer_norm(0.05), optax.sgd(0.1)),
+    lambda: optax.lamb(1e-2),
+    lambda: optax.chain(optax.scale_by_adam(), optax.clip_by_block_rms(0.1)),
+  ],
+  ids=["mask_by_ndim", "clip_by_layer_norm", "lamb", "clip_by_block_rms"],
+)
+def test_rule_stepping_the_stack_unlike_its_layers_is_an_error(opt):
+  """Plain training steps a stacked parameter as one tensor; a rule that
+  steps it differently from each of its layers has no per-layer step
+  equal to plain training, so it is refused, naming the parameter.
+  """
+  _, unrolled = _params()
+  params = _stacked(unrolled)
+  tx = immgrad.shim(opt())
+  x, y = _data()[0]
+  with pytest.raises(ValueError, match=r"\['blocks'\]\['[wb]'\] different"):
     immgrad.value_and_grad(_scan_loss(), tx)(params, tx.init(params), x, y)
 
 

@@ -25,7 +25,9 @@ def clip_by_layer_norm(max_norm: float) -> optax.GradientTransformation:
   The per-tensor counterpart of ``optax.clip_by_global_norm``: each leaf ``g``
   becomes ``g / max(1, ||g|| / max_norm)``, using only that leaf, so it can
   run inside an immediate layer's backward rule. Chain it before the
-  optimizer, as you would the global version.
+  optimizer, as you would the global version. A stacked parameter
+  (``immgrad.scan``) is one tensor to it, as to plain optax, whose norm
+  no single layer has: there it is refused.
 
   Args:
     max_norm: the largest L2 norm a parameter tensor's gradient may have.

@@ -51,18 +51,22 @@ def step_parameter(program: plan_lib.LeafProgram, grad, state, weights):
 
 
 def layers(
-  tx, params, index: int, layer_axes: int, state, shared, path: str
+  tx, params, index: int, stacks: dict[int, int], state, shared, path: str
 ) -> list:
-  """Per layer axis of a stacked parameter: its program and state split.
+  """Per layer axis of stacked parameter ``index``: program, state split.
 
   ``[(program, split), ...]`` from the whole stack inwards: ``program`` is
   the parameter's at that depth, ``split`` how the state it reads splits
   for the next depth in (``stacked.state_axes``); the innermost has no
-  split.
+  split. ``stacks`` holds the layer axes of every immediate parameter
+  (0: not stacked); the stacked ones are sliced alike at each depth
+  (``plan.sliced``).
   """
   programs = [plan_lib.make(tx, params).leaves[index]] + [
-    plan_lib.layer_program(tx, params, index, depth)
-    for depth in range(1, layer_axes + 1)
+    plan_lib.sliced(
+      tx, params, {k: depth for k, axes in stacks.items() if axes >= depth}
+    ).leaves[index]
+    for depth in range(1, stacks[index] + 1)
   ]
   out, avals = (
     [],
@@ -81,8 +85,9 @@ def layers(
 def step_layers(levels: list, grad, state, weights):
   """:func:`step_parameter` one layer at a time, over ``levels`` (above).
 
-  A per-tensor rule (``immgrad.clip_by_layer_norm``) thus sees one layer
-  of a stacked parameter, as it did in that layer's backward rule.
+  Each layer of a stacked parameter is stepped by the program its
+  backward rule ran (which ``stacked.state_axes`` checked is the stack's
+  step on that layer).
   """
   (program, split), rest = levels[0], levels[1:]
   if not rest:
@@ -171,6 +176,11 @@ class Step:
     updates and the old state; else ``ok`` is None.
     """
     plan, leaves = self.plan, jax.tree.leaves(self.params)
+    self.stacks = {  # The layer axes of each immediate parameter (or 0).
+      i: g.layer_axes
+      for i, g in enumerate(grads)
+      if isinstance(g, ImmediateGrad)
+    }
     parts = [[old[k] for k in leaf.reads] for leaf in plan.leaves]
     shared_old = [old[k] for k in plan.shared_positions]
     shared = list(plan.shared(*shared_old))
@@ -190,12 +200,12 @@ class Step:
       new[k] = value
     return [update for update, _ in committed], new, ok
 
-  def _levels(self, i: int, g: ImmediateGrad, s: list) -> list:
+  def _levels(self, i: int, s: list) -> list:
     return layers(
       self.tx,
       self.params,
       i,
-      g.layer_axes,
+      self.stacks,
       s,
       self.plan.shared_positions,
       self.paths[i],
@@ -205,7 +215,7 @@ class Step:
     """Parameter ``i``'s update and the state leaves its program writes."""
     program = self.plan.leaves[i]
     if isinstance(g, ImmediateGrad):
-      new, s = step_layers(self._levels(i, g, s), g.grad, s, p)
+      new, s = step_layers(self._levels(i, s), g.grad, s, p)
       return landing(new, p), list(s)
     if isinstance(g, Stepped):
       kept = [old[k] for k in program.writes]
@@ -223,7 +233,7 @@ class Step:
       return select(ok, self._step(i, g, s, p, old), self._keep(i, p, old))
     if isinstance(g, ImmediateGrad) and g.layer_axes:
       writes = [old[k] for k in self.plan.leaves[i].writes]
-      return commit_layers(self._levels(i, g, s), g.grad, s, writes, p, ok)
+      return commit_layers(self._levels(i, s), g.grad, s, writes, p, ok)
     # One cond per parameter: each update's buffer lives only until it is
     # applied, where one cond for all would hold every update at once.
     return lax.cond(
@@ -247,9 +257,7 @@ class Step:
       if isinstance(g, ImmediateGrad) and g.nonfinite is not None:
         nonfinite.append(g.nonfinite)
       elif isinstance(g, ImmediateGrad):
-        checks.append(
-          (g.grad, step_layers(self._levels(i, g, s), g.grad, s, p))
-        )
+        checks.append((g.grad, step_layers(self._levels(i, s), g.grad, s, p)))
       elif isinstance(g, Stepped):
         checks.append(g)
       else:

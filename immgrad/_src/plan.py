@@ -49,7 +49,8 @@ class LeafProgram:
   ``reads`` are the positions (in the flattened optax state) of the state
   leaves it takes, in order; ``writes`` those it returns new values for,
   all owned by this parameter. ``read_avals`` and ``write_avals`` are their
-  shapes and dtypes.
+  shapes and dtypes; ``param_aval`` the parameter's (and its gradient's);
+  ``jaxpr`` the program ``fun`` runs.
   """
 
   fun: Any
@@ -57,6 +58,8 @@ class LeafProgram:
   writes: tuple
   read_avals: tuple
   write_avals: tuple
+  param_aval: jax.ShapeDtypeStruct
+  jaxpr: jax_core.ClosedJaxpr = dataclasses.field(compare=False)
 
   def __call__(self, grad, param, state: Sequence[jax.Array]):
     update, *new = self.fun(grad, param, *state)
@@ -84,32 +87,35 @@ def make(tx, params: Any) -> Plan:
   The state is the one ``tx.init`` makes for ``params``, in optax's layout.
   """
   params = jax.tree.map(_aval, params)
-  state = jax.eval_shape(tx.init, params)
-  return _make(
-    tx,
-    jax.tree.structure(params),
-    tuple(jax.tree.leaves(params)),
-    jax.tree.structure(state),
-    tuple(jax.tree.leaves(state)),
-  )
+  return _make(tx, jax.tree.structure(params), tuple(jax.tree.leaves(params)))
 
 
-def layer_program(tx, params: Any, index: int, layer_axes: int) -> LeafProgram:
-  """Leaf ``index``'s program for one layer of it, ``layer_axes`` axes in.
+def sliced(tx, params: Any, layer_axes: dict[int, int]) -> Plan:
+  """The cut of ``tx`` for ``params`` with stacked leaves sliced.
 
-  The cut of ``tx`` for the params tree in which that leaf is one layer's
-  slice (``immgrad.scan``): the step that layer takes, as if unrolled.
+  Leaf ``k`` of ``layer_axes`` is one layer's slice, ``layer_axes[k]``
+  axes in (``immgrad.scan``): its program is the step that layer takes,
+  as if unrolled (``stacked.state_axes`` refuses it where that is not the
+  stack's step). All the stacked leaves of a scan share one cut, which
+  traces ``tx`` once for them all.
   """
   leaves, treedef = jax.tree.flatten(jax.tree.map(_aval, params))
-  leaf = leaves[index]
-  leaves[index] = jax.ShapeDtypeStruct(leaf.shape[layer_axes:], leaf.dtype)
-  return make(tx, treedef.unflatten(leaves)).leaves[index]
+  for k, axes in layer_axes.items():
+    leaves[k] = jax.ShapeDtypeStruct(leaves[k].shape[axes:], leaves[k].dtype)
+  return make(tx, treedef.unflatten(leaves))
 
 
 @functools.lru_cache(maxsize=64)
-def _make(tx, params_def, param_avals, state_def, state_avals) -> Plan:
+def _make(tx, params_def, param_avals) -> Plan:
+  """:func:`make`, once per ``tx`` and params shapes (a step asks again for
+  each stacked parameter).
+  """
   params = params_def.unflatten(param_avals)
-  state = state_def.unflatten(state_avals)
+  state = jax.eval_shape(tx.init, params)
+  state_def, state_avals = (
+    jax.tree.structure(state),
+    tuple(jax.tree.leaves(state)),
+  )
   with jax.disable_jit():
     closed, out_shape = jax.make_jaxpr(tx.update, return_shape=True)(
       params, state, params
@@ -165,19 +171,24 @@ def _make(tx, params_def, param_avals, state_def, state_avals) -> Plan:
     used = set(used)
     reads = tuple(k for k in range(m) if state_in[k] in used)
     ins = [grad_in[i], param_in[i]] + [state_in[k] for k in reads]
+    program = _as_jaxpr(sub, ins, outs)
     leaves.append(
       LeafProgram(
-        _as_fun(sub, ins, outs),
+        jax_core.jaxpr_as_fun(program),
         reads,
         writes,
         tuple(state_avals[k] for k in reads),
         tuple(state_avals[k] for k in writes),
+        param_avals[i],
+        program,
       )
     )
   shared_positions = tuple(k for k in range(m) if owner[k] == _SHARED)
   shared_outs = [state_out[k] for k in shared_positions]
   sub, _ = _slice(closed, shared_outs)
-  shared = _as_fun(sub, [state_in[k] for k in shared_positions], shared_outs)
+  shared = jax_core.jaxpr_as_fun(
+    _as_jaxpr(sub, [state_in[k] for k in shared_positions], shared_outs)
+  )
   return Plan(tuple(leaves), shared, shared_positions, state_def, state_avals)
 
 
@@ -230,8 +241,8 @@ def _slice(closed, outs: list):
   return (closed, kept[::-1]), needed
 
 
-def _as_fun(sub, ins: list, outs: list):
-  """A function computing ``outs`` from ``ins`` with ``sub``'s equations."""
+def _as_jaxpr(sub, ins: list, outs: list) -> jax_core.ClosedJaxpr:
+  """The program computing ``outs`` from ``ins`` with ``sub``'s equations."""
   closed, eqns = sub
   jaxpr = closed.jaxpr.replace(
     invars=list(ins),
@@ -240,7 +251,7 @@ def _as_fun(sub, ins: list, outs: list):
     effects=frozenset().union(*(e.effects for e in eqns)),
     debug_info=_debug_info(closed.jaxpr, ins, outs),
   )
-  return jax_core.jaxpr_as_fun(jax_core.ClosedJaxpr(jaxpr, closed.consts))
+  return jax_core.ClosedJaxpr(jaxpr, closed.consts)
 
 
 def _debug_info(jaxpr, ins, outs) -> Any | None:

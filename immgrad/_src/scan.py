@@ -15,9 +15,9 @@ gradient stack. The shim commits the stacked step layer by layer.
 Optimizer state is sliced the way the weights are (``stacked.py``): a
 state leaf with the layer axis in front of what ``tx.init`` makes for one
 slice is scanned; one equal in shape to it (optax's step ``count``) is
-shared, every layer reading the same value. Per-tensor rules
-(``clip_by_layer_norm``) thus see one layer's slice, as they would for
-unstacked layers.
+shared, every layer reading the same value. A rule that steps the
+stack unlike its layers (a per-tensor statistic such as
+``clip_by_layer_norm``'s norm) is refused.
 """
 
 from typing import Any, Callable
@@ -90,16 +90,18 @@ def scan(
     return plain()
 
   origin = object()  # Tells a retrace of this call's body from another use.
-  channels, programs = [], []  # Per stacked parameter: scanned, one layer's.
   for i, slot in stacked:
     if not jnp.ndim(leaves[i]):
       raise ValueError(
         f"immgrad.scan: parameter {slot.path} in xs is a scalar; stacked "
         "parameters need a leading layer axis."
       )
-    layer = plan_lib.layer_program(
-      step.tx, step.params, slot.index, slot.depth + 1
-    )
+  one_layer = plan_lib.sliced(
+    step.tx, step.params, {slot.index: slot.depth + 1 for _, slot in stacked}
+  )
+  channels, programs = [], []  # Per stacked parameter: scanned, one layer's.
+  for i, slot in stacked:
+    layer = one_layer.leaves[slot.index]
     split = stacked_lib.state_axes(
       slot.program, layer, slot.state, step.shared, slot.path
     )

@@ -3,7 +3,10 @@
 ``immgrad.scan`` hands each iteration one layer's slice of a stacked
 parameter (leading axis: the layer), and the layer steps that slice with
 that layer's slice of the optimizer state: the program ``plan.py`` cuts
-for one layer, as if the layers were unrolled. The state ``tx.init`` made
+for one layer, as if the layers were unrolled. Plain training steps the
+stack as one tensor, so that program must be the stack's step on each
+layer; a rule that steps the stack otherwise (a statistic of the whole
+tensor, a mask chosen by its ``ndim``) is refused. The state ``tx.init`` made
 for the whole stack splits per layer when each leaf the layer reads either
 has the layer axis in front of what the layer's program expects (adam's
 moments: sliced) or belongs to no parameter (optax's step ``count``, an
@@ -13,15 +16,16 @@ statistic that each layer would make anew, a PRNG key every layer would
 draw the same noise from) has no per-layer split and is refused.
 
 The same split serves the backward loop (which slices the state for each
-layer) and the shim (which commits each layer's slice: a per-tensor rule
-such as ``immgrad.clip_by_layer_norm`` sees one layer, as for unrolled
-layers).
+layer) and the shim (which commits each layer's slice).
 """
 
+import functools
 from typing import Sequence
 
 import jax
+from jax.extend import core as jax_core
 import jax.numpy as jnp
+import numpy as np
 
 from immgrad._src import plan as plan_lib
 
@@ -39,6 +43,18 @@ _NOT_LIKE_ONE_LAYER = (
   "parts of its state than one layer of it ({why}): it treats the stack "
   "as one tensor. Use a per-element optimizer (sgd, adam, lion, ...) for "
   "stacked layers, or unroll them."
+)
+
+_NOT_PER_LAYER = (
+  "immgrad.scan: the optimizer steps stacked parameter {path} differently "
+  "as one {shape} tensor, as plain training steps it, than one layer of it "
+  "at a time, as immgrad.scan must (largest difference {diff:.3g}, on "
+  "sample values). It treats the stack as one tensor: a statistic of the "
+  "whole tensor (LAMB's or LARS's trust ratio, clip_by_block_rms, "
+  "immgrad.clip_by_layer_norm), or a mask or label chosen by the "
+  "parameter's shape (ndim) that a layer's slice does not share. Choose "
+  "masks and labels by the parameter's path, use a per-element optimizer "
+  "(sgd, adam, lion, ...) for stacked layers, or unroll them."
 )
 
 _RANDOM = (
@@ -60,7 +76,7 @@ def state_axes(
 
   Args:
     whole: the program of the stacked parameter as one tensor.
-    layer: the program of one layer of it (``plan.layer_program``).
+    layer: the program of one layer of it (``plan.sliced``).
     parts: the state leaves ``whole`` reads (the stack's).
     shared: the positions of the state that belongs to no parameter.
     path: the parameter, for errors.
@@ -106,9 +122,97 @@ def state_axes(
           path=path, big=big.shape, small=small.shape, dtype=big.dtype
         )
       )
+  diff = _difference(whole, layer, tuple(split))
+  if diff:
+    raise ValueError(
+      _NOT_PER_LAYER.format(path=path, shape=whole.param_aval.shape, diff=diff)
+    )
   return split
+
+
+def _difference(
+  whole: plan_lib.LeafProgram, layer: plan_lib.LeafProgram, split: tuple
+) -> float:
+  """How far ``layer``, run per layer, is from ``whole`` on the stack.
+
+  Both programs are run on the same sample values (a gradient and weights
+  drawn at random, positive state, a step count of 3), ``layer`` under
+  ``jax.vmap`` over the layers with ``split``; ``0.0`` if every output
+  agrees to a relative 1e-6 (the same arithmetic on each element agrees
+  exactly; a weight decay of 1e-5 of adam's update does not), else the
+  largest difference. A rule that reads a layer's slice as it reads the
+  stack (adam, lion, a mask by path) agrees; one that looks at the whole
+  tensor or at its shape does not. Programs that take keys or other
+  non-numbers, or whose effects return values, are taken to agree.
+  Compiled and run once per pair of programs alike (the stacked leaves of
+  one shape, in every layer of a model, share it).
+  """
+  return _compare(_Pair(whole, layer, split))
+
+
+class _Pair:
+  """Two programs and a split, equal to another by their text."""
+
+  def __init__(self, whole, layer, split):
+    self.programs = whole, layer, split
+    self.text = tuple(
+      (str(p.jaxpr), tuple(map(id, p.jaxpr.consts))) for p in (whole, layer)
+    ) + (split,)
+
+  def __hash__(self):
+    return hash(self.text)
+
+  def __eq__(self, other):
+    return self.text == other.text
+
+
+@functools.lru_cache(maxsize=256)
+def _compare(pair: _Pair) -> float:
+  whole, layer, split = pair.programs
+  avals = (whole.param_aval, whole.param_aval, *whole.read_avals)
+  whole_fun, layer_fun = _pure(whole.jaxpr), _pure(layer.jaxpr)
+  if whole_fun is None or layer_fun is None:
+    return 0.0
+  if not all(np.issubdtype(a.dtype, np.number) for a in avals):
+    return 0.0
+  rng = np.random.default_rng(0)
+
+  def sample(aval, signed: bool):
+    if np.issubdtype(aval.dtype, np.integer):
+      return np.full(aval.shape, 3, aval.dtype)
+    values = rng.uniform(0.5, 1.5, aval.shape)
+    if signed:
+      values *= rng.choice((-1.0, 1.0), aval.shape)
+    return values.astype(aval.dtype)
+
+  def both(*inputs):
+    per_layer = jax.vmap(layer_fun, in_axes=(0, 0, *split))(*inputs)
+    return whole_fun(*inputs), per_layer
+
+  with jax.ensure_compile_time_eval():
+    expected, got = jax.jit(both)(
+      *[sample(a, signed=k < 2) for k, a in enumerate(avals)]
+    )
+  worst = 0.0
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if not np.allclose(a, b, rtol=1e-6, atol=0.0, equal_nan=True):
+      worst = max(worst, float(np.nanmax(np.abs(a - b))))
+  return worst
 
 
 def _is_key(x) -> bool:
   dtype = jnp.result_type(x)
   return jnp.issubdtype(dtype, jax.dtypes.prng_key) or dtype == jnp.uint32
+
+
+def _pure(closed):
+  """``closed`` as a function, without its effects (a ``jax.debug.print``
+  in the rule must not run on sample values), or None where an effect
+  returns a value the program uses.
+  """
+  if any(e.outvars for e in closed.jaxpr.eqns if e.effects):
+    return None
+  eqns = [e for e in closed.jaxpr.eqns if not e.effects]
+  jaxpr = closed.jaxpr.replace(eqns=eqns, effects=frozenset())
+  return jax_core.jaxpr_as_fun(jax_core.ClosedJaxpr(jaxpr, closed.consts))
