@@ -483,6 +483,21 @@ def test_hk_scan_around_a_module_leaves_its_weights_ordinary():
   )
 
 
+def test_an_immgrad_module_in_a_bare_hk_layer_stack_is_refused():
+  """Without immediate around it, hk.layer_stack hands the module slices:
+  they would train ordinarily unnoticed.
+  """
+  model = _without_rng(_stacked(hk.layer_stack, immgrad.haiku.Linear))
+  x, y = jnp.ones((4, WIDTH)), jnp.zeros((4, 3))
+  params = model.init(jax.random.PRNGKey(0), x)
+  tx = immgrad.shim(optax.sgd(0.1))
+  step = immgrad.value_and_grad(_mse_loss(model), tx)
+  with pytest.raises(
+    ValueError, match="'linear/(w|b)' reaches a chosen module as a copy"
+  ):
+    step(params, tx.init(params), x, y)
+
+
 def test_params_and_plain_training_unchanged_by_immediate():
   """Outside a step ``immediate(fn)`` is ``fn``: same init, same gradients."""
   x = jnp.ones((2, WIDTH))

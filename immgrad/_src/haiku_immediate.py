@@ -55,6 +55,15 @@ from immgrad._src import context
 
 _NAME = "immgrad.haiku.immediate"
 
+_COPY = (
+  "immgrad.haiku.immediate: parameter {path!r} reaches a chosen module as "
+  "a copy made by a transformation between the step and the module "
+  "(hk.layer_stack, hk.scan, hk.vmap, jax.jit, ... around an "
+  "immgrad.haiku module), so it would train ordinarily unnoticed. Wrap "
+  "the function that holds the transformation in immgrad.haiku.immediate "
+  "(or use immgrad.haiku.layer_stack)."
+)
+
 DEFAULT_MODULES = (hk.Linear, hk.ConvND, hk.LayerNorm, hk.RMSNorm, hk.Embed)
 
 # Those that compute in ``immediate(compute_dtype=...)``: the matrix
@@ -156,14 +165,24 @@ def _step(fn, chosen: tuple[type, ...], args, kwargs):
       stepped = owner is not None and issubclass(owner, chosen)
       if stepped and step.find(leaf, _NAME) is not None:
         mine.setdefault(bundle, {})[name] = leaf
+      elif stepped and isinstance(leaf, jax.core.Tracer):
+        raise ValueError(_COPY.format(path=f"{bundle}/{name}"))
       else:
         others.setdefault(bundle, {})[name] = leaf
+
+  # Module boundaries matter only for dX taken at other weights than the
+  # old ones. At the old weights (mode="current") every primitive is its
+  # own layer, so the backward pass is plain's, operation for operation:
+  # a unit would sum the cotangents of its input's uses inside itself,
+  # a different float association (bfloat16 models round it apart).
+  units = step.dx_at != 0 or step.measure_dx
+  intercept = functools.partial(_unit, chosen) if units else _through
 
   def call(mine, others, state, rng, args, kwargs):
     full = {b: {**others.get(b, {}), **mine.get(b, {})} for b in params}
     inner = hk_stateful.InternalState(full, state, rng)
     with hk_stateful.temporary_internal_state(inner, share_python_state=True):
-      with hk.intercept_methods(functools.partial(_unit, chosen)):
+      with hk.intercept_methods(intercept):
         out = fn(*args, **kwargs)
       after = hk_stateful.internal_state(params=False)
     return out, after.state, after.rng
@@ -229,6 +248,11 @@ def _is_array(x) -> bool:
     or hasattr(x, "__jax_array__")
     or type(x).__module__ == "numpy"
   )
+
+
+def _through(next_f, args, kwargs, ctx):
+  del ctx
+  return next_f(*args, **kwargs)
 
 
 def _unit(chosen, next_f, args, kwargs, ctx):
