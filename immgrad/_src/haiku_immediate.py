@@ -21,14 +21,17 @@ Two things make a Haiku function a JAX function of its parameters:
   ``hk.vmap`` use), and the state and rng it leaves are written back to
   the caller's frame, so ``hk.BatchNorm``'s statistics and
   ``hk.next_rng_key`` work as in plain Haiku.
-* each call of a chosen module is one unit: ``hk.intercept_methods``
-  traces it to a jaxpr whose inputs are the module's own parameters, state
-  and arguments, bound as one ``custom_vjp`` whose rule is the jaxpr's own
+* unless dX is taken at the old weights (``mode="current"``, where every
+  primitive is its own layer and the backward pass is plain Haiku's), each
+  call of a chosen module is one unit: ``hk.intercept_methods`` traces it
+  to a jaxpr whose inputs are the module's own parameters, state and
+  arguments, bound as one ``custom_vjp`` whose rule is the jaxpr's own
   ``jax.vjp``. ``immgrad.immediate`` takes such a call for one layer, so a
   normalisation's statistics are inside it (``mode="updated"`` takes dX of
-  the whole module at its new weights) and a weight a custom getter
-  computes (``hk.custom_getter``, ``hk.mixed_precision``) is
-  parameter-only preprocessing inside it.
+  the whole module at its new weights).
+
+Either way a weight a custom getter computes (``hk.custom_getter``,
+``hk.mixed_precision``) is parameter-only preprocessing of its layer.
 
 ``compute_dtype`` is a getter that casts the chosen ``hk.Linear``,
 ``hk.ConvND`` and ``hk.Embed`` weights, and an interceptor that casts
@@ -286,13 +289,13 @@ def _unit(chosen, next_f, args, kwargs, ctx):
     inner = hk_stateful.InternalState(
       {**frame.params, **p}, {**frame.state, **s}, rng
     )
-    _local.unit = True
+    outer, _local.unit = getattr(_local, "unit", False), True
     try:
       with hk_stateful.temporary_internal_state(inner, share_python_state=True):
         out = next_f(*a, **kw)
         after = hk_stateful.internal_state(params=False)
     finally:
-      _local.unit = False
+      _local.unit = outer
     mine = {b: v for b, v in after.state.items() if own(b)}
     return out, mine, after.rng
 
