@@ -511,3 +511,22 @@ def test_params_and_plain_training_unchanged_by_immediate():
     )
     chex.assert_trees_all_equal(grad(ours), grad(plain))
   assert np.isfinite(float(jnp.sum(plain.apply(params, x))))
+
+
+def test_the_private_haiku_seams_the_adapter_uses_exist():
+  """immgrad.haiku runs fn in a Haiku frame through haiku._src.stateful
+  (private): if a Haiku release moves these, this says which.
+  """
+  from haiku._src import stateful  # pylint: disable=g-import-not-at-top
+
+  missing = [
+    name
+    for name in (
+      "InternalState",
+      "internal_state",
+      "temporary_internal_state",
+      "update_internal_state",
+    )
+    if not hasattr(stateful, name)
+  ]
+  assert not missing, f"haiku {hk.__version__} lacks stateful.{missing}"

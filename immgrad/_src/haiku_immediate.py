@@ -39,7 +39,7 @@ their floating inputs, in and out of a step alike.
 
 Haiku's frame (``haiku._src.stateful``: ``internal_state``,
 ``temporary_internal_state``, ``update_internal_state``) is private;
-``tests/test_haiku_models.py`` pins what this relies on.
+``tests/test_haiku_models.py`` checks they exist and trains through them.
 """
 
 import contextlib
