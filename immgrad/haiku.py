@@ -1,25 +1,27 @@
 """Haiku integration: immediate modules, and unmodified models made immediate.
 
+* ``immediate(fn, modules=...)``: every call of the chosen Haiku modules
+  (``hk.Linear``, ``hk.ConvND``, ``hk.LayerNorm``, ``hk.RMSNorm``,
+  ``hk.Embed`` by default) inside an unmodified forward function updates
+  its weights immediately inside ``immgrad.value_and_grad``.
 * ``Linear``, ``Conv1D``, ``Conv2D``, ``Conv3D``, ``ConvND``, ``LayerNorm``,
-  ``RMSNorm``, ``Embed``: Haiku's modules (subclasses, with Haiku's
-  constructors, parameter names, shapes, dtypes and initialisers) whose
-  weights update immediately inside ``immgrad.value_and_grad``.
-* ``immediate(fn, modules=...)``: the same for every call of those Haiku
-  modules inside an unmodified forward function.
-* ``layer_stack``: ``hk.layer_stack`` over immediate layers.
+  ``RMSNorm``, ``Embed``: Haiku's modules (thin subclasses, with Haiku's
+  constructors, parameter names, shapes, dtypes, initialisers and code)
+  whose calls go through ``immediate``.
+* ``layer_stack``: ``hk.layer_stack`` through ``immediate``.
 """
 
 from immgrad._src.haiku_immediate import DEFAULT_MODULES as DEFAULT_MODULES
+from immgrad._src.haiku_immediate import Conv1D as Conv1D
+from immgrad._src.haiku_immediate import Conv2D as Conv2D
+from immgrad._src.haiku_immediate import Conv3D as Conv3D
+from immgrad._src.haiku_immediate import ConvND as ConvND
+from immgrad._src.haiku_immediate import Embed as Embed
+from immgrad._src.haiku_immediate import LayerNorm as LayerNorm
+from immgrad._src.haiku_immediate import Linear as Linear
+from immgrad._src.haiku_immediate import RMSNorm as RMSNorm
 from immgrad._src.haiku_immediate import immediate as immediate
 from immgrad._src.haiku_immediate import layer_stack as layer_stack
-from immgrad._src.haiku_layers import Conv1D as Conv1D
-from immgrad._src.haiku_layers import Conv2D as Conv2D
-from immgrad._src.haiku_layers import Conv3D as Conv3D
-from immgrad._src.haiku_layers import ConvND as ConvND
-from immgrad._src.haiku_layers import Embed as Embed
-from immgrad._src.haiku_layers import LayerNorm as LayerNorm
-from immgrad._src.haiku_layers import Linear as Linear
-from immgrad._src.haiku_layers import RMSNorm as RMSNorm
 
 __all__ = (
   "Conv1D",

@@ -456,7 +456,11 @@ def test_hk_vmap_around_immediate_modules_steps_once_on_the_batch(mode):
   oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
 
 
-def test_hk_scan_around_an_immediate_module_is_still_an_error():
+def test_hk_scan_around_a_module_leaves_its_weights_ordinary():
+  """hk.scan closes over the weights: every iteration reuses them, so
+  immgrad.immediate keeps their gradient ordinary (the shim applies it).
+  """
+
   def forward(x):
     linear = hk.Linear(5)
     return hk.scan(lambda h, _: (linear(h), None), x, None, length=2)[0]
@@ -465,8 +469,32 @@ def test_hk_scan_around_an_immediate_module_is_still_an_error():
   x, y = jnp.ones((4, 5)), jnp.zeros((4, 5))
   params = model.init(jax.random.PRNGKey(0), x)
   tx = immgrad.shim(optax.sgd(0.1))
+  _, grads = immgrad.value_and_grad(_mse_loss(model), tx)(
+    params, tx.init(params), x, y
+  )
+  assert not any(
+    isinstance(g, immgrad.ImmediateGrad)
+    for g in jax.tree.leaves(
+      grads, is_leaf=lambda g: isinstance(g, immgrad.ImmediateGrad)
+    )
+  )
+  chex.assert_trees_all_close(
+    grads, jax.grad(_mse_loss(model))(params, x, y), atol=ATOL, rtol=RTOL
+  )
+
+
+def test_an_immgrad_module_in_a_bare_hk_layer_stack_is_refused():
+  """Without immediate around it, hk.layer_stack hands the module slices:
+  they would train ordinarily unnoticed.
+  """
+  model = _without_rng(_stacked(hk.layer_stack, immgrad.haiku.Linear))
+  x, y = jnp.ones((4, WIDTH)), jnp.zeros((4, 3))
+  params = model.init(jax.random.PRNGKey(0), x)
+  tx = immgrad.shim(optax.sgd(0.1))
   step = immgrad.value_and_grad(_mse_loss(model), tx)
-  with pytest.raises(ValueError, match="'linear'.*inside a transformation"):
+  with pytest.raises(
+    ValueError, match="'linear/(w|b)' reaches a chosen module as a copy"
+  ):
     step(params, tx.init(params), x, y)
 
 
@@ -483,3 +511,22 @@ def test_params_and_plain_training_unchanged_by_immediate():
     )
     chex.assert_trees_all_equal(grad(ours), grad(plain))
   assert np.isfinite(float(jnp.sum(plain.apply(params, x))))
+
+
+def test_the_private_haiku_seams_the_adapter_uses_exist():
+  """immgrad.haiku runs fn in a Haiku frame through haiku._src.stateful
+  (private): if a Haiku release moves these, this says which.
+  """
+  from haiku._src import stateful  # pylint: disable=g-import-not-at-top
+
+  missing = [
+    name
+    for name in (
+      "InternalState",
+      "internal_state",
+      "temporary_internal_state",
+      "update_internal_state",
+    )
+    if not hasattr(stateful, name)
+  ]
+  assert not missing, f"haiku {hk.__version__} lacks stateful.{missing}"

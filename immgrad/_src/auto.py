@@ -2,7 +2,7 @@
 
 ``immediate(fun)`` needs no adapter and no decorated layer. Inside
 ``immgrad.value_and_grad`` it traces ``fun`` to a jaxpr (nested ``jit``
-calls inlined; a ``jax.checkpoint`` holding layers runs as
+calls that hold layers inlined, the others kept whole; a ``jax.checkpoint`` holding layers runs as
 ``immgrad.checkpoint``, a ``lax.scan`` over stacked layers as
 ``immgrad.scan``) and follows, equation by equation, which values
 derive from the parameters alone (a cast, a transpose, a broadcast, ``A @ B``, weight
@@ -84,7 +84,7 @@ _CLOSED_OVER = (
 
 @dataclasses.dataclass(eq=False)
 class _Region:
-  """A ``jax.checkpoint`` call, inlined: its equations are nodes[start:end]."""
+  """A ``jax.checkpoint`` or ``jit`` call, inlined: nodes[start:end]."""
 
   eqn: Any
   ins: list
@@ -92,6 +92,7 @@ class _Region:
   start: int
   end: int
   parent: Optional["_Region"]
+  checkpoint: bool = True  # False: a ``jit`` call.
 
   @property
   def where(self) -> str:
@@ -121,6 +122,11 @@ def _regions(region: _Region | None) -> list:
   return chain
 
 
+def _checkpoint_of(region: _Region | None) -> _Region | None:
+  """The innermost checkpoint region at or around ``region``."""
+  return next((r for r in _regions(region) if r.checkpoint), None)
+
+
 @dataclasses.dataclass
 class _Program:
   """``fun`` as a flat list of equations over numbered values."""
@@ -137,8 +143,10 @@ class _Program:
 def _trace(fun, leaves, treedef) -> _Program:
   """Traces ``fun(*treedef.unflatten(leaves))``, inlining nested calls.
 
-  A ``jax.checkpoint`` is inlined too, as a region that the evaluation
-  runs under ``immgrad.checkpoint`` (or as it was, if it holds no layer).
+  Each ``jax.checkpoint`` and ``jit`` call is inlined as a region: the
+  evaluation runs a checkpoint under ``immgrad.checkpoint``, and a
+  ``jit`` inlined, or either as it was if it holds no layer (a ``jit``
+  reading no parameter either).
 
   Non-array leaves (flags, None, Python numbers) are static, as under jit.
   """
@@ -181,12 +189,9 @@ def _build(closed, counter) -> _Program:
         inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
         if not isinstance(inner, jex_core.ClosedJaxpr):
           inner = jex_core.ClosedJaxpr(inner, ())
-        child = region
-        if name in _REMAT:
-          child = _Region(eqn, ins, [], len(nodes), 0, region)
+        child = _Region(eqn, ins, [], len(nodes), 0, region, name in _REMAT)
         outs = inline(inner.jaxpr, inner.consts, ins, child)
-        if name in _REMAT:
-          child.outs, child.end = outs, len(nodes)
+        child.outs, child.end = outs, len(nodes)
         env.update(zip(eqn.outvars, outs))
         continue
       outs = [next(counter) for _ in eqn.outvars]
@@ -369,11 +374,12 @@ def _outside(node: _Node, raw: list, pre: list) -> _Region | None:
   computed from them, inside.
   """
   for region in _regions(node.region):
-    if any(n not in region.ins for n in raw):
+    if region.checkpoint and any(n not in region.ins for n in raw):
       return region
+  here = _checkpoint_of(node.region)
   for p in pre:
-    if p.region is not node.region:
-      return node.region or p.region
+    if _checkpoint_of(p.region) is not here:
+      return here or _checkpoint_of(p.region)
   return None
 
 
@@ -490,14 +496,23 @@ def _eval(program, plan, env: dict, start: int, end: int, region) -> None:
 
 
 def _checkpointed(program, plan, env: dict, region: _Region) -> None:
-  """Evaluates a checkpoint region: as traced, or by immgrad.checkpoint."""
+  """Evaluates a region: as traced, or by immgrad.checkpoint, or inlined.
+
+  A ``jit`` call that holds no layer and reads no parameter is bound as
+  traced, as one call: its transpose then sums the cotangents of its
+  inputs' uses inside it first, as plain differentiation does (inlined,
+  they would be summed in another order: float association).
+  """
   refs = list(
     dict.fromkeys(v for v in region.ins if not isinstance(v, jex_core.Literal))
   )
   has_layer = any(
     region in _regions(node.region) for node in plan.immediate.values()
   )
-  if has_layer:
+  if not region.checkpoint and (has_layer or any(plan.taint[v] for v in refs)):
+    _eval(program, plan, env, region.start, region.end, region)
+    return
+  if region.checkpoint and has_layer:
 
     def body(*values):
       inner = collections.ChainMap(dict(zip(refs, values)), env)

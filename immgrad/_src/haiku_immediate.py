@@ -1,43 +1,94 @@
-"""``immgrad.haiku.immediate`` and ``layer_stack``: unmodified Haiku models.
+"""``immgrad.haiku``: unmodified Haiku models, immediate.
 
-``immediate(fn)`` runs ``fn`` under ``hk.intercept_methods``: inside
-``immgrad.value_and_grad``, each call of a chosen Haiku module (by default
-every ``hk.Linear``, ``hk.Conv*``, ``hk.LayerNorm``, ``hk.RMSNorm`` and
-``hk.Embed``, including those inside ``hk.nets.MLP``, attention and ResNet
-blocks) is computed by ``haiku_layers``: the same parameters, through an
-immediate layer. Other modules (``hk.BatchNorm``, whose statistics are Haiku
-state, or a module not chosen) keep ordinary gradients, which the shim
-applies. A module whose weights a custom getter changes
-(``hk.custom_getter``, ``hk.mixed_precision``), or one an interceptor
-installed inside ``immediate`` would see (ours runs first and would skip
-it; found in Haiku's private ``interceptor_stack``), is refused by name
-(``reparam.py``, ``docs/reparametrised.md``).
+``immediate(fn, modules)`` is :func:`immgrad.immediate` (``auto.py``) with
+one piece of Haiku knowledge: which parameter leaves it may step. Inside
+``immgrad.value_and_grad`` (at apply time, inside ``hk.transform``) it
+takes the transform's params (``hk.get_params``: the very arrays the step
+handed in), finds each leaf's module with a first, abstract run of ``fn``
+(``jax.eval_shape``, trace time only) under an ``hk.custom_getter``, which
+sees the module that reads each parameter (``GetterContext.module``), and
+hands the leaves of the chosen modules (by default ``hk.Linear``,
+``hk.ConvND``, ``hk.LayerNorm``, ``hk.RMSNorm``, ``hk.Embed`` and their
+subclasses, inside ``hk.nets.MLP``, attention or ResNet blocks too) to
+:func:`immgrad.immediate` as the parameter tree. Every other leaf is an
+argument like the data: it keeps an ordinary gradient, which the shim
+applies. Haiku's own code runs unchanged.
 
-Stacked layers: Haiku's ``layer_stack`` scans its body over stacked
-parameters with ``jax.lax.scan``. Inside ``immediate`` (and in
-:func:`layer_stack`) that scan is ``immgrad.scan``, which passes each layer
-its own slice of the weights and optimizer state. Haiku's layer_stack looks
-``jax.lax.scan`` up when it runs, so we hand its module a ``jax`` whose
-``lax.scan`` is ours while the model runs; outside a step ``immgrad.scan``
-is ``jax.lax.scan``, so nothing else changes.
+Two things make a Haiku function a JAX function of its parameters:
+
+* ``fn`` runs in a Haiku frame holding the traced params, state and rng
+  (Haiku's own ``temporary_internal_state``, which ``hk.remat`` and
+  ``hk.vmap`` use), and the state and rng it leaves are written back to
+  the caller's frame, so ``hk.BatchNorm``'s statistics and
+  ``hk.next_rng_key`` work as in plain Haiku.
+* unless dX is taken at the old weights (``mode="current"``, where every
+  primitive is its own layer and the backward pass is plain Haiku's), each
+  call of a chosen module is one unit: ``hk.intercept_methods`` traces it
+  to a jaxpr whose inputs are the module's own parameters, state and
+  arguments, bound as one ``custom_vjp`` whose rule is the jaxpr's own
+  ``jax.vjp``. ``immgrad.immediate`` takes such a call for one layer, so a
+  normalisation's statistics are inside it (``mode="updated"`` takes dX of
+  the whole module at its new weights).
+
+Either way a weight a custom getter computes (``hk.custom_getter``,
+``hk.mixed_precision``) is parameter-only preprocessing of its layer.
+
+``compute_dtype`` is a getter that casts the chosen ``hk.Linear``,
+``hk.ConvND`` and ``hk.Embed`` weights, and an interceptor that casts
+their floating inputs, in and out of a step alike.
+
+Haiku's frame (``haiku._src.stateful``: ``internal_state``,
+``temporary_internal_state``, ``update_internal_state``) is private;
+``tests/test_haiku_models.py`` checks they exist and trains through them.
 """
 
+import contextlib
 import functools
 import threading
 from typing import Any, Callable, Sequence
 
 import haiku as hk
-from haiku._src import layer_stack as hk_layer_stack
-from haiku._src import module as hk_module
 from haiku._src import stateful as hk_stateful
 import jax
+from jax.extend import core as jex_core
+import jax.numpy as jnp
 
+from immgrad._src import auto
 from immgrad._src import context
-from immgrad._src import haiku_layers
-from immgrad._src import remat as remat_lib
-from immgrad._src import scan as scan_lib
+
+_NAME = "immgrad.haiku.immediate"
+
+_COPY = (
+  "immgrad.haiku.immediate: parameter {path!r} reaches a chosen module as "
+  "a copy made by a transformation between the step and the module "
+  "(hk.layer_stack, hk.scan, hk.vmap, jax.jit, ... around an "
+  "immgrad.haiku module), so it would train ordinarily unnoticed. Wrap "
+  "the function that holds the transformation in immgrad.haiku.immediate "
+  "(or use immgrad.haiku.layer_stack)."
+)
 
 DEFAULT_MODULES = (hk.Linear, hk.ConvND, hk.LayerNorm, hk.RMSNorm, hk.Embed)
+
+# Those that compute in ``immediate(compute_dtype=...)``: the matrix
+# products. Normalisations keep their inputs' dtype (float32 in usual mixed
+# precision practice).
+_CASTING = (hk.Linear, hk.ConvND, hk.Embed)
+
+_local = threading.local()
+
+
+def _active() -> bool:
+  """Whether this thread runs a model inside an ``immediate`` now."""
+  return getattr(_local, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def _running():
+  _local.depth = getattr(_local, "depth", 0) + 1
+  try:
+    yield
+  finally:
+    _local.depth -= 1
 
 
 def immediate(
@@ -46,21 +97,24 @@ def immediate(
   *,
   compute_dtype: Any | None = None,
 ) -> Callable[..., Any]:
-  """Makes the chosen Haiku modules in ``fn`` immediate layers.
+  """Makes the weights of the chosen Haiku modules in ``fn`` immediate.
 
   Args:
     fn: a Haiku forward function, to be passed to ``hk.transform`` or
       ``hk.transform_with_state`` as usual.
-    modules: the module classes to make immediate (subclasses included):
-      any of ``hk.Linear``, ``hk.ConvND`` (or ``hk.Conv1D``/``2D``/``3D``),
-      ``hk.LayerNorm``, ``hk.RMSNorm``, ``hk.Embed``. Default: all of them.
+    modules: the ``hk.Module`` classes (subclasses included) whose own
+      parameters are stepped in the backward pass, where the traced
+      program allows it (see :func:`immgrad.layers`). Default:
+      ``hk.Linear``, ``hk.ConvND`` (``Conv1D``/``2D``/``3D``),
+      ``hk.LayerNorm``, ``hk.RMSNorm``, ``hk.Embed``. ``(hk.Module,)``
+      chooses every module's parameters. The modules of ``immgrad.haiku``
+      are always chosen.
     compute_dtype: mixed precision (e.g. ``jnp.bfloat16``): the chosen
       ``hk.Linear``, ``hk.ConvND`` and ``hk.Embed`` cast their floating
-      inputs and weights to it inside the immediate layer
-      (``immediate_layer(compute_dtype=...)``) and return it; the weights
-      and their updates stay float32. Normalisations compute in their
-      inputs' dtype. It applies outside ``immgrad.value_and_grad`` too, so
-      plain training of ``fn`` runs the same arithmetic.
+      inputs and weights to it and return it; the weights and their
+      updates stay float32. Normalisations compute in their inputs' dtype.
+      It applies outside ``immgrad.value_and_grad`` too, so plain training
+      of ``fn`` runs the same arithmetic.
 
   Returns:
     ``fn``, with those modules' weights updated during the backward pass
@@ -89,72 +143,226 @@ def immediate(
     raise TypeError(
       f"immgrad.haiku.immediate expects a Haiku forward function, got {fn!r}."
     )
-  chosen = _check_modules(modules)
-
-  def interceptor(next_f, args, kwargs, ctx):
-    implementation = haiku_layers.IMPLEMENTATIONS.get(ctx.orig_class)
-    cast = (
-      compute_dtype
-      if issubclass(ctx.orig_class, haiku_layers.CASTING)
-      else None
-    )
-    if (
-      ctx.method_name != "__call__"
-      or implementation is None
-      or not isinstance(ctx.module, chosen)
-      or (context.current() is None and cast is None)
-    ):
-      return next_f(*args, **kwargs)
-    _check_inner_interceptors(ctx.module, interceptor)
-    if cast is not None:
-      kwargs = dict(kwargs, compute_dtype=cast)
-    return implementation(ctx.module, next_f, *args, **kwargs)
-
-  interceptor.immgrad = True  # Ours: see _check_inner_interceptors.
+  chosen = _check_modules(modules) + IMMEDIATE_CLASSES
 
   @functools.wraps(fn)
   def wrapped(*args, **kwargs):
-    with hk.intercept_methods(interceptor), _immediate_transforms():
-      return fn(*args, **kwargs)
+    with _casting(chosen, compute_dtype):
+      if context.current() is None or _active() or hk.running_init():
+        return fn(*args, **kwargs)
+      return _step(fn, chosen, args, kwargs)
 
   return wrapped
 
 
-def _check_inner_interceptors(module: hk.Module, ours: Callable) -> None:
-  """Refuses the call if an interceptor was installed inside ``immediate``.
+def _step(fn, chosen: tuple[type, ...], args, kwargs):
+  """``fn(*args, **kwargs)`` through ``immgrad.immediate``, in a step."""
+  step = context.current()
+  params = hk.get_params()
+  outer = hk_stateful.internal_state(params=False)
+  owners = _owners(fn, params, outer, args, kwargs)
+  mine, others = {}, {}
+  for bundle, leaves in params.items():
+    for name, leaf in leaves.items():
+      owner = _owner(owners, bundle, name)
+      stepped = owner is not None and issubclass(owner, chosen)
+      if stepped and step.find(leaf, _NAME) is not None:
+        mine.setdefault(bundle, {})[name] = leaf
+      elif stepped and isinstance(leaf, jax.core.Tracer):
+        raise ValueError(_COPY.format(path=f"{bundle}/{name}"))
+      else:
+        others.setdefault(bundle, {})[name] = leaf
 
-  Haiku runs interceptors outermost first, so ours would answer the call
-  and skip the inner one. (The stack is Haiku's private
-  ``haiku._src.module.interceptor_stack``, iterated innermost first.)
+  # Module boundaries matter only for dX taken at other weights than the
+  # old ones. At the old weights (mode="current") every primitive is its
+  # own layer, so the backward pass is plain's, operation for operation:
+  # a unit would sum the cotangents of its input's uses inside itself,
+  # a different float association (bfloat16 models round it apart).
+  units = step.dx_at != 0 or step.measure_dx
+  intercept = functools.partial(_unit, chosen) if units else _through
+
+  def call(mine, others, state, rng, args, kwargs):
+    full = {b: {**others.get(b, {}), **mine.get(b, {})} for b in params}
+    inner = hk_stateful.InternalState(full, state, rng)
+    with hk_stateful.temporary_internal_state(inner, share_python_state=True):
+      with hk.intercept_methods(intercept):
+        out = fn(*args, **kwargs)
+      after = hk_stateful.internal_state(params=False)
+    return out, after.state, after.rng
+
+  with _running():
+    out, state, rng = auto.immediate(call)(
+      mine, others, outer.state, outer.rng, args, kwargs
+    )
+  hk_stateful.update_internal_state(hk_stateful.InternalState(None, state, rng))
+  return out
+
+
+def _owners(fn, params, outer, args, kwargs) -> dict:
+  """(bundle, name) -> the class of the module that reads that parameter.
+
+  An abstract run of ``fn`` (``jax.eval_shape``) in a copy of the frame,
+  whose names and state the real run does not see.
   """
-  for interceptor in hk_module.interceptor_stack:
-    if interceptor is ours:
-      return
-    if not getattr(interceptor, "immgrad", False):
-      name = haiku_layers.public_name(module)
-      raise ValueError(
-        f"immgrad.haiku.immediate: the Haiku interceptor {interceptor!r}, "
-        f"installed inside it, would be skipped for {name} "
-        f"{module.module_name!r}, whose call immgrad computes itself. "
-        "Install it outside instead (hk.intercept_methods around the "
-        "wrapped function), so that it runs first, or leave "
-        f"{name} out of `modules=`."
-      )
+  owners = {}
+
+  def record(next_getter, value, ctx):
+    module = ctx.module
+    owners.setdefault(
+      tuple(ctx.full_name.rsplit("/", 1)), type(module) if module else None
+    )
+    return next_getter(value)
+
+  def probe(params, state, rng, dynamic):
+    full = list(leaves)
+    for i, value in zip(positions, dynamic):
+      full[i] = value
+    args, kwargs = treedef.unflatten(full)
+    inner = hk_stateful.InternalState(params, state, rng)
+    with hk_stateful.temporary_internal_state(inner), _running():
+      with hk.custom_getter(record):
+        fn(*args, **kwargs)
+
+  leaves, treedef = jax.tree.flatten((args, kwargs))
+  positions = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
+  jax.eval_shape(
+    probe, params, outer.state, outer.rng, [leaves[i] for i in positions]
+  )
+  return owners
+
+
+def _owner(owners: dict, bundle: str, name: str) -> type | None:
+  """The class of the module reading ``bundle/name``, or None.
+
+  A transform inside ``fn`` (``hk.layer_stack``'s per-layer
+  ``hk.transform``) reads its parameters under names relative to the
+  module that lifted them: ``linear`` for ``__layer_stack_no_per_layer/
+  linear``. Those match the end of the outer name.
+  """
+  if (bundle, name) in owners:
+    return owners[bundle, name]
+  inner = [b for b, n in owners if n == name and bundle.endswith("/" + b)]
+  return owners[max(inner, key=len), name] if inner else None
+
+
+def _is_array(x) -> bool:
+  return (
+    isinstance(x, (jax.Array, jax.ShapeDtypeStruct))
+    or hasattr(x, "__jax_array__")
+    or type(x).__module__ == "numpy"
+  )
+
+
+def _through(next_f, args, kwargs, ctx):
+  del ctx
+  return next_f(*args, **kwargs)
+
+
+def _unit(chosen, next_f, args, kwargs, ctx):
+  """A chosen module's call, bound as one unit (``immediate`` sees a layer).
+
+  Traces the call to a jaxpr whose inputs are the module's own parameters
+  and state (bundles at or below its name), the rng and the call's array
+  arguments, in a frame holding those, and binds it as a ``custom_vjp``
+  whose rule is the jaxpr's own ``jax.vjp``: plain arithmetic, one layer.
+  """
+  module = ctx.module
+  if (
+    ctx.method_name != "__call__"
+    or not isinstance(module, chosen)
+    or getattr(_local, "unit", False)
+  ):
+    return next_f(*args, **kwargs)
+  prefix = module.module_name
+  own = lambda b: b == prefix or b.startswith(prefix + "/")
+  frame = hk_stateful.internal_state()
+  params = {b: p for b, p in frame.params.items() if own(b)}
+  state = {b: s for b, s in frame.state.items() if own(b)}
+  leaves, treedef = jax.tree.flatten((params, state, frame.rng, args, kwargs))
+  positions = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
+
+  def body(*dynamic):
+    full = list(leaves)
+    for i, value in zip(positions, dynamic):
+      full[i] = value
+    p, s, rng, a, kw = treedef.unflatten(full)
+    inner = hk_stateful.InternalState(
+      {**frame.params, **p}, {**frame.state, **s}, rng
+    )
+    outer, _local.unit = getattr(_local, "unit", False), True
+    try:
+      with hk_stateful.temporary_internal_state(inner, share_python_state=True):
+        out = next_f(*a, **kw)
+        after = hk_stateful.internal_state(params=False)
+    finally:
+      _local.unit = outer
+    mine = {b: v for b, v in after.state.items() if own(b)}
+    return out, mine, after.rng
+
+  closed, shape = jax.make_jaxpr(body, return_shape=True)(
+    *[leaves[i] for i in positions]
+  )
+  flat = _bound(closed.jaxpr)(closed.consts, [leaves[i] for i in positions])
+  out, state, rng = jax.tree.unflatten(jax.tree.structure(shape), flat)
+  hk_stateful.update_internal_state(hk_stateful.InternalState(None, state, rng))
+  return out
+
+
+def _bound(jaxpr) -> Callable:
+  """``jaxpr`` as one ``custom_vjp`` of (consts, args): plain derivative."""
+
+  def run(consts, args):
+    return jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(jaxpr, consts))(*args)
+
+  unit = jax.custom_vjp(run)
+
+  def fwd(consts, args):
+    return jax.vjp(run, consts, args)
+
+  unit.defvjp(fwd, lambda vjp, dy: vjp(dy))
+  return unit
+
+
+@contextlib.contextmanager
+def _casting(chosen: tuple[type, ...], compute_dtype):
+  """The chosen matrix products compute in ``compute_dtype``, if set."""
+  if compute_dtype is None:
+    yield
+    return
+
+  def cast(x):
+    if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating):
+      return x.astype(compute_dtype)
+    return x
+
+  def getter(next_getter, value, ctx):
+    del ctx
+    return next_getter(cast(value))
+
+  def interceptor(next_f, args, kwargs, ctx):
+    if (
+      ctx.method_name != "__call__"
+      or not isinstance(ctx.module, chosen)
+      or not isinstance(ctx.module, _CASTING)
+      or hk.running_init()  # Haiku's parameters, in Haiku's dtypes.
+    ):
+      return next_f(*args, **kwargs)
+    args, kwargs = jax.tree.map(cast, (args, kwargs))
+    with hk.custom_getter(getter):
+      return next_f(*args, **kwargs)
+
+  with hk.intercept_methods(interceptor):
+    yield
 
 
 def _check_modules(modules) -> tuple[type, ...]:
   if isinstance(modules, type):
     modules = (modules,)
-  supported = tuple(haiku_layers.IMPLEMENTATIONS)
-  names = ", ".join(f"hk.{c.__name__}" for c in supported)
   for cls in modules:
-    if not (isinstance(cls, type) and issubclass(cls, supported)):
+    if not (isinstance(cls, type) and issubclass(cls, hk.Module)):
       raise ValueError(
-        f"immgrad.haiku.immediate: cannot make {cls!r} immediate. Supported "
-        f"modules (and their subclasses): {names}. Other modules, such as "
-        "hk.BatchNorm (its statistics are Haiku state, not weights) or "
-        "your own, keep ordinary gradients: build custom ones from these, "
-        "or from immgrad.immediate_layer."
+        f"immgrad.haiku.immediate: cannot make {cls!r} immediate: modules= "
+        "takes hk.Module classes (such as hk.Linear, or hk.Module for all)."
       )
   return tuple(modules)
 
@@ -163,11 +371,11 @@ def layer_stack(num_layers: int, **kwargs) -> Callable[[Callable], Callable]:
   """``hk.layer_stack`` whose stacked layers update immediately.
 
   Same arguments as ``hk.layer_stack`` (``with_per_layer_inputs``,
-  ``unroll``, ``name``, ...). Its scan is ``immgrad.scan``, so each layer's
-  immediate modules step their own slice of the stacked weights and
-  optimizer state once per step. Inside :func:`immediate` a plain
-  ``hk.layer_stack`` already does this; use this one with the modules of
-  ``immgrad.haiku`` in a model not wrapped by ``immediate``.
+  ``unroll``, ``name``, ...). The stack runs through :func:`immediate`, so
+  its ``lax.scan`` over the stacked weights becomes ``immgrad.scan``: each
+  layer's modules of ``immgrad.haiku`` step their own slice of the stacked
+  weights and optimizer state once per step. Inside :func:`immediate` a
+  plain ``hk.layer_stack`` already does this for the chosen modules.
 
   Example:
     >>> import haiku as hk, jax, jax.numpy as jnp
@@ -183,75 +391,93 @@ def layer_stack(num_layers: int, **kwargs) -> Callable[[Callable], Callable]:
     (3, 4, 4)
   """
   stack = hk.layer_stack(num_layers, **kwargs)
-
-  def iterate(f):
-    stacked = stack(f)
-
-    @functools.wraps(stacked)
-    def wrapped(*args, **call_kwargs):
-      with _immediate_transforms():
-        return stacked(*args, **call_kwargs)
-
-    return wrapped
-
-  return iterate
+  return lambda f: immediate(stack(f), modules=())
 
 
-class _Lax:
-  """``jax.lax`` with ``scan`` replaced by ``immgrad.scan``."""
-
-  scan = staticmethod(scan_lib.scan)
-
-  def __getattr__(self, name):
-    return getattr(jax.lax, name)
+def _module_call(module: hk.Module, call, *args, **kwargs):
+  """A module of ``immgrad.haiku``: its own call, through :func:`immediate`."""
+  return immediate(call, modules=(type(module),))(*args, **kwargs)
 
 
-class _JaxForLayerStack:
-  """``jax`` as Haiku's layer_stack sees it while a model runs here."""
+class Linear(hk.Linear):
+  """``hk.Linear`` whose weights update immediately in ``value_and_grad``.
 
-  lax = _Lax()
+  Same constructor, parameter names, shapes, dtypes and initialisers as
+  ``hk.Linear``: checkpoints move between the two unchanged.
 
-  def __getattr__(self, name):
-    return getattr(jax, name)
-
-
-class _JaxForRemat:
-  """``jax`` as Haiku's ``hk.remat`` sees it while a model runs here."""
-
-  remat = checkpoint = staticmethod(remat_lib.checkpoint)
-
-  def __getattr__(self, name):
-    return getattr(jax, name)
-
-
-_PATCHES = (
-  (hk_layer_stack, _JaxForLayerStack()),
-  (hk_stateful, _JaxForRemat()),
-)
-_patch_lock = threading.Lock()
-_patch_depth = 0
-
-
-class _immediate_transforms:  # pylint: disable=invalid-name
-  """Context manager: Haiku's layer_stack and remat use immgrad's versions.
-
-  Process-wide while any model runs here (threads included), which is
-  harmless: ``immgrad.scan`` and ``immgrad.checkpoint`` are JAX's own
-  unless the calling thread is inside ``immgrad.value_and_grad``.
+  Example:
+    >>> import haiku as hk, jax, jax.numpy as jnp
+    >>> import immgrad.haiku
+    >>> f = hk.without_apply_rng(hk.transform(
+    ...     lambda x: immgrad.haiku.Linear(2)(x)))
+    >>> g = hk.without_apply_rng(hk.transform(lambda x: hk.Linear(2)(x)))
+    >>> x = jnp.ones((1, 3))
+    >>> key = jax.random.PRNGKey(0)
+    >>> jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)),
+    ...              f.init(key, x), g.init(key, x))
+    {'linear': {'b': True, 'w': True}}
   """
 
-  def __enter__(self):
-    global _patch_depth
-    with _patch_lock:
-      if _patch_depth == 0:
-        for haiku_module, ours in _PATCHES:
-          haiku_module.jax = ours
-      _patch_depth += 1
+  def __call__(self, inputs, *, precision=None):
+    return _module_call(self, super().__call__, inputs, precision=precision)
 
-  def __exit__(self, *exc):
-    global _patch_depth
-    with _patch_lock:
-      _patch_depth -= 1
-      if _patch_depth == 0:
-        for haiku_module, _ in _PATCHES:
-          haiku_module.jax = jax
+
+class ConvND(hk.ConvND):
+  """``hk.ConvND`` whose weights update immediately in ``value_and_grad``."""
+
+  def __call__(self, inputs, *, precision=None):
+    return _module_call(self, super().__call__, inputs, precision=precision)
+
+
+class Conv1D(hk.Conv1D):
+  """``hk.Conv1D`` whose weights update immediately in ``value_and_grad``."""
+
+  def __call__(self, inputs, *, precision=None):
+    return _module_call(self, super().__call__, inputs, precision=precision)
+
+
+class Conv2D(hk.Conv2D):
+  """``hk.Conv2D`` whose weights update immediately in ``value_and_grad``."""
+
+  def __call__(self, inputs, *, precision=None):
+    return _module_call(self, super().__call__, inputs, precision=precision)
+
+
+class Conv3D(hk.Conv3D):
+  """``hk.Conv3D`` whose weights update immediately in ``value_and_grad``."""
+
+  def __call__(self, inputs, *, precision=None):
+    return _module_call(self, super().__call__, inputs, precision=precision)
+
+
+class LayerNorm(hk.LayerNorm):
+  """``hk.LayerNorm`` whose scale and offset update immediately."""
+
+  def __call__(self, inputs, scale=None, offset=None):
+    return _module_call(self, super().__call__, inputs, scale, offset)
+
+
+class RMSNorm(hk.RMSNorm):
+  """``hk.RMSNorm`` whose scale updates immediately."""
+
+  def __call__(self, inputs):
+    return _module_call(self, super().__call__, inputs)
+
+
+class Embed(hk.Embed):
+  """``hk.Embed`` whose embeddings update immediately."""
+
+  def __call__(self, ids, lookup_style=None, precision=None):
+    return _module_call(self, super().__call__, ids, lookup_style, precision)
+
+
+IMMEDIATE_CLASSES = (
+  Linear,
+  ConvND,
+  Conv1D,
+  Conv2D,
+  Conv3D,
+  LayerNorm,
+  RMSNorm,
+  Embed,
+)
