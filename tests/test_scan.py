@@ -182,8 +182,15 @@ def test_state_that_cannot_be_split_per_layer_is_an_error(opt):
     lambda: optax.chain(immgrad.clip_by_layer_norm(0.05), optax.sgd(0.1)),
     lambda: optax.lamb(1e-2),
     lambda: optax.chain(optax.scale_by_adam(), optax.clip_by_block_rms(0.1)),
+    lambda: optax.fromage(1e-2),  # Trained the stack 4e-2 off, before.
   ],
-  ids=["mask_by_ndim", "clip_by_layer_norm", "lamb", "clip_by_block_rms"],
+  ids=[
+    "mask_by_ndim",
+    "clip_by_layer_norm",
+    "lamb",
+    "clip_by_block_rms",
+    "fromage",
+  ],
 )
 def test_rule_stepping_the_stack_unlike_its_layers_is_an_error(opt):
   """Plain training steps a stacked parameter as one tensor; a rule that
