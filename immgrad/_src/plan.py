@@ -44,25 +44,24 @@ class NotSeparable(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class LeafProgram:
-  """One parameter's step: ``(grad, param, *state) -> (update, *state)``.
+  """One parameter's step: ``(grad, param, *state) -> (update, *state)``,
+  the program ``jaxpr``.
 
   ``reads`` are the positions (in the flattened optax state) of the state
   leaves it takes, in order; ``writes`` those it returns new values for,
   all owned by this parameter. ``read_avals`` and ``write_avals`` are their
-  shapes and dtypes; ``param_aval`` the parameter's (and its gradient's);
-  ``jaxpr`` the program ``fun`` runs.
+  shapes and dtypes; ``param_aval`` the parameter's (and its gradient's).
   """
 
-  fun: Any
+  jaxpr: jax_core.ClosedJaxpr
   reads: tuple
   writes: tuple
   read_avals: tuple
   write_avals: tuple
   param_aval: jax.ShapeDtypeStruct
-  jaxpr: jax_core.ClosedJaxpr = dataclasses.field(compare=False)
 
   def __call__(self, grad, param, state: Sequence[jax.Array]):
-    update, *new = self.fun(grad, param, *state)
+    update, *new = jax_core.jaxpr_as_fun(self.jaxpr)(grad, param, *state)
     return update, new
 
 
@@ -171,16 +170,14 @@ def _make(tx, params_def, param_avals) -> Plan:
     used = set(used)
     reads = tuple(k for k in range(m) if state_in[k] in used)
     ins = [grad_in[i], param_in[i]] + [state_in[k] for k in reads]
-    program = _as_jaxpr(sub, ins, outs)
     leaves.append(
       LeafProgram(
-        jax_core.jaxpr_as_fun(program),
+        _as_jaxpr(sub, ins, outs),
         reads,
         writes,
         tuple(state_avals[k] for k in reads),
         tuple(state_avals[k] for k in writes),
         param_avals[i],
-        program,
       )
     )
   shared_positions = tuple(k for k in range(m) if owner[k] == _SHARED)

@@ -140,8 +140,7 @@ def _difference(
   ``jax.vmap`` over the layers with ``split``; ``0.0`` if every output
   agrees to a relative 1e-6 (the same arithmetic on each element agrees
   exactly, in any dtype; a weight decay of 1e-5 of adam's update does
-  not), else the
-  largest difference. A rule that reads a layer's slice as it reads the
+  not), else the largest difference. A rule that reads a layer's slice as it reads the
   stack (adam, lion, a mask by path) agrees; one that looks at the whole
   tensor or at its shape does not. Programs that take keys or other
   non-numbers, or whose effects return values, are taken to agree.
