@@ -136,8 +136,9 @@ def _difference(
   """How far ``layer``, run per layer, is from ``whole`` on the stack.
 
   Both programs are run on the same sample values (a gradient and weights
-  of either sign hashed from their positions, positive state, a step count of 3), ``layer`` under
-  ``jax.vmap`` over the layers with ``split``; ``0.0`` if every output
+  of either sign hashed from their positions, positive state, a step
+  count of 3), ``layer`` under ``jax.vmap`` over the layers with
+  ``split``; ``0.0`` if every output
   agrees to a relative 1e-6 (the same arithmetic on each element agrees
   exactly, in any dtype; a weight decay of 1e-5 of adam's update does
   not), else the largest difference. A rule that reads a layer's slice as it reads the
