@@ -149,6 +149,14 @@ def _per_leaf_norm():
   return optax.GradientTransformation(init, update)
 
 
+def _first_stacked_step(opt):
+  """The first immgrad step of the stacked model, shimming ``opt``."""
+  params = _stacked(_params()[1])
+  tx = immgrad.shim(opt)
+  x, y = _data()[0]
+  return immgrad.value_and_grad(_scan_loss(), tx)(params, tx.init(params), x, y)
+
+
 @pytest.mark.parametrize(
   "opt",
   [
@@ -159,12 +167,8 @@ def _per_leaf_norm():
   ids=["scalar_float_state", "adafactor"],
 )
 def test_state_that_cannot_be_split_per_layer_is_an_error(opt):
-  _, unrolled = _params()
-  params = _stacked(unrolled)
-  tx = immgrad.shim(opt())
-  x, y = _data()[0]
   with pytest.raises(ValueError, match=r"stacked parameter \['blocks'\]"):
-    immgrad.value_and_grad(_scan_loss(), tx)(params, tx.init(params), x, y)
+    _first_stacked_step(opt())
 
 
 @pytest.mark.parametrize(
@@ -197,12 +201,8 @@ def test_rule_stepping_the_stack_unlike_its_layers_is_an_error(opt):
   steps it differently from each of its layers has no per-layer step
   equal to plain training, so it is refused, naming the parameter.
   """
-  _, unrolled = _params()
-  params = _stacked(unrolled)
-  tx = immgrad.shim(opt())
-  x, y = _data()[0]
   with pytest.raises(ValueError, match=r"\['blocks'\]\['[wb]'\] different"):
-    immgrad.value_and_grad(_scan_loss(), tx)(params, tx.init(params), x, y)
+    _first_stacked_step(opt())
 
 
 def test_stacked_parameter_used_by_two_scans_is_an_error():
