@@ -162,25 +162,27 @@ class Step:
   """The shim's commit of one step: each parameter's update and new state.
 
   ``tx`` on ``params``, cut into per-parameter programs by ``plan``
-  (``plan.py``); ``paths`` name the params' leaves in errors.
+  (``plan.py``), for the flat ``grads``; ``paths`` name the params' leaves
+  in errors.
   """
 
-  def __init__(self, tx, params, plan: plan_lib.Plan, paths: list):
+  def __init__(self, tx, params, plan: plan_lib.Plan, paths: list, grads):
     self.tx, self.params, self.plan, self.paths = tx, params, plan, paths
-
-  def commit(self, grads: list, old: list, atomic: bool):
-    """``(updates, new state leaves, ok)`` for the flat ``grads``.
-
-    ``old`` holds ``tx``'s state leaves. With ``atomic``, ``ok`` is whether
-    the whole step is finite, and a step that is not writes ``-0.0``
-    updates and the old state; else ``ok`` is None.
-    """
-    plan, leaves = self.plan, jax.tree.leaves(self.params)
+    self.grads = grads
     self.stacks = {  # The layer axes of each immediate parameter (or 0).
       i: g.layer_axes
       for i, g in enumerate(grads)
       if isinstance(g, ImmediateGrad)
     }
+
+  def commit(self, old: list, atomic: bool):
+    """``(updates, new state leaves, ok)``.
+
+    ``old`` holds ``tx``'s state leaves. With ``atomic``, ``ok`` is whether
+    the whole step is finite, and a step that is not writes ``-0.0``
+    updates and the old state; else ``ok`` is None.
+    """
+    plan, leaves, grads = self.plan, jax.tree.leaves(self.params), self.grads
     parts = [[old[k] for k in leaf.reads] for leaf in plan.leaves]
     shared_old = [old[k] for k in plan.shared_positions]
     shared = list(plan.shared(*shared_old))

@@ -146,8 +146,8 @@ def shim(
     for path, g, (_, p) in zip(paths, grads, keyed):
       _check_like(path, _value_of(g), p)
     plan = refusal.cut(tx, params)
-    step = commit_lib.Step(tx, params, plan, paths)
-    updates, new, ok = step.commit(grads, state_leaves(plan, state), atomic)
+    step = commit_lib.Step(tx, params, plan, paths, grads)
+    updates, new, ok = step.commit(state_leaves(plan, state), atomic)
     rejected = state.rejected
     if ok is not None:
       rejected = rejected + jnp.where(ok, 0, 1).astype(rejected.dtype)
