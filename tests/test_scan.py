@@ -86,6 +86,25 @@ def test_scan_equals_unrolled(mode, opt_name):
   )
 
 
+def test_model_and_rule_on_another_device_equal_unrolled():
+  """The per-layer check runs its samples on the CPU backend (on a TPU,
+  XLA compiled the check of a 16x2048x2048 stack for over 40 s), whatever
+  device the model and the rule's arrays live on: here a learning rate
+  and the model on the last of the four CPU devices, not the check's.
+  """
+  device = jax.devices("cpu")[-1]
+  chain, unrolled = _params()
+  unrolled = jax.device_put(unrolled, device)
+  data = jax.device_put(_data(), device)
+  opt = optax.adam(jax.device_put(jnp.float32(1e-2), device))
+  got = oracles.immediate_steps(
+    _scan_loss(), opt, _stacked(unrolled), data, mode="current"
+  )
+  oracles.assert_runs_close(
+    got, _expected("current", opt, chain, unrolled, data), atol=ATOL, rtol=RTOL
+  )
+
+
 def test_reverse_scan_equals_reversed_layers():
   chain, unrolled = _params()
   data = _data()
