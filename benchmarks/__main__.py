@@ -129,9 +129,19 @@ def main_accelerator(args) -> int:
   if args.merge and os.path.exists(path):
     with open(path) as f:
       results["models"] = json.load(f)["models"]
-  for name, make, twin in accelerator_models():
-    if args.models and not any(m in name for m in args.models):
-      continue
+  chosen = [
+    (name, make, twin)
+    for name, make, twin in accelerator_models()
+    if not args.models or any(m in name for m in args.models)
+  ]
+  known = {name for name, _, _ in chosen} | set(results["models"])
+  for name, _, twin in chosen:  # Before an hour of measuring, not after.
+    if isinstance(twin, str) and twin not in known:
+      raise SystemExit(
+        f"{name!r} takes its FLOPs from {twin!r}: select that model too "
+        f"(--models), or --merge into a results file that holds it"
+      )
+  for name, make, twin in chosen:
     print(f"measuring {name} ...", file=sys.stderr, flush=True)
     figures = {}
     for candidate in make():  # Saved after each: a later one may not fit.

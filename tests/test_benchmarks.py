@@ -235,3 +235,15 @@ def test_immediate_costs_what_the_adapter_costs(model):
     for key in ("flops", "peak"):
       ratio = costs[method][key] / costs[adapter][key]
       assert 0.99 <= ratio <= high, (method, key, costs[method], costs[adapter])
+
+
+def test_loop_model_without_its_unrolled_twin_stops_before_measuring(tmp_path):
+  """On the TPU, ``--models layer_stack`` measured for minutes, then failed
+  with a KeyError: its FLOPs come from the unrolled model's figures.
+  """
+  from benchmarks import __main__ as cli  # pylint: disable=g-import-not-at-top
+
+  argv = ["--sizes", "accelerator", "--out", str(tmp_path)]
+  with pytest.raises(SystemExit, match=r"hk.layer_stack.*unrolled.*--models"):
+    cli.main(argv + ["--models", "layer_stack"])
+  assert not list(tmp_path.iterdir())
