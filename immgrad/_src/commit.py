@@ -51,18 +51,19 @@ def step_parameter(program: plan_lib.LeafProgram, grad, state, weights):
 
 
 def layers(
-  tx, params, index: int, stacks: dict[int, int], state, shared, path: str
+  tx, params, plan, index: int, stacks: dict[int, int], state, path: str
 ) -> list:
   """Per layer axis of stacked parameter ``index``: program, state split.
 
   ``[(program, split), ...]`` from the whole stack inwards: ``program`` is
   the parameter's at that depth, ``split`` how the state it reads splits
   for the next depth in (``stacked.state_axes``); the innermost has no
-  split. ``stacks`` holds the layer axes of every immediate parameter
-  (0: not stacked); the stacked ones are sliced alike at each depth
-  (``plan.sliced``).
+  split. ``plan`` is ``tx``'s cut for ``params`` (the programs of the
+  whole stacks). ``stacks`` holds the layer axes of every immediate
+  parameter (0: not stacked); the stacked ones are sliced alike at each
+  depth (``plan.sliced``).
   """
-  programs = [plan_lib.make(tx, params).leaves[index]] + [
+  programs = [plan.leaves[index]] + [
     plan_lib.sliced(
       tx, params, {k: depth for k, axes in stacks.items() if axes >= depth}
     ).leaves[index]
@@ -73,7 +74,7 @@ def layers(
     [jax.ShapeDtypeStruct(jnp.shape(s), jnp.result_type(s)) for s in state],
   )
   for outer, inner in zip(programs, programs[1:]):
-    split = stacked.state_axes(outer, inner, avals, shared, path)
+    split = stacked.state_axes(outer, inner, avals, plan.shared_positions, path)
     out.append((outer, split))
     avals = [
       a if axis is None else jax.ShapeDtypeStruct(a.shape[1:], a.dtype)
@@ -204,13 +205,7 @@ class Step:
 
   def _levels(self, i: int, s: list) -> list:
     return layers(
-      self.tx,
-      self.params,
-      i,
-      self.stacks,
-      s,
-      self.plan.shared_positions,
-      self.paths[i],
+      self.tx, self.params, self.plan, i, self.stacks, s, self.paths[i]
     )
 
   def _step(self, i, g, s, p, old):
