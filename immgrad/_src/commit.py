@@ -22,7 +22,6 @@ an ulp of the weight.
 models it runs.
 """
 
-import functools
 import math
 from typing import Any
 
@@ -38,13 +37,11 @@ from immgrad._src.base import ImmediateGrad
 from immgrad._src.base import Stepped
 
 
-@functools.partial(jax.jit, static_argnums=0)
 def step_parameter(program: plan_lib.LeafProgram, grad, state, weights):
   """One parameter's new weights and owned state, by its ``program``.
 
   ``state`` holds the state leaves the program reads; the new state those
-  it writes (``plan.LeafProgram``). Jitted (the program is static) so that
-  the backward rule and the commit run one traced computation.
+  it writes (``plan.LeafProgram``).
   """
   update, state = program(grad, weights, state)
   return optax.apply_updates(weights, update), state
