@@ -87,10 +87,11 @@ def test_scan_equals_unrolled(mode, opt_name):
 
 
 def test_model_and_rule_on_another_device_equal_unrolled():
-  """The per-layer check runs its samples on the CPU backend (on a TPU,
-  XLA compiled the check of a 16x2048x2048 stack for over 40 s), whatever
-  device the model and the rule's arrays live on: here a learning rate
-  and the model on the last of the four CPU devices, not the check's.
+  """The per-layer check runs on the CPU backend's first device (on a TPU,
+  XLA compiled the check of a 16x2048x2048 stack for over 40 s); a model
+  and a rule's array (the learning rate) on the last of the four CPU
+  devices still train as plain training. On a CPU alone this cannot show
+  which backend ran the check (docs/tpu.md has the chip's timings).
   """
   device = jax.devices("cpu")[-1]
   chain, unrolled = _params()
