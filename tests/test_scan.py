@@ -447,6 +447,66 @@ def test_residuals_fixed_across_layers_are_made_once(mode):
     oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
 
 
+def _scan_inputs(jaxpr) -> list:
+  """The avals of every scan's inputs in ``jaxpr``, nested ones included."""
+  out = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "scan":
+      out += [v.aval for v in eqn.invars]
+    for param in eqn.params.values():
+      for inner in param if isinstance(param, tuple | list) else (param,):
+        inner = getattr(inner, "jaxpr", inner)
+        if hasattr(inner, "eqns"):
+          out += _scan_inputs(inner)
+  return out
+
+
+@pytest.mark.parametrize(
+  "mode,atomic,carried",
+  [
+    ("current", False, False),
+    ("current", True, True),
+    ("updated", False, True),
+  ],
+)
+def test_optimizer_state_enters_the_loops_only_when_a_layer_steps(
+  mode, atomic, carried
+):
+  """A layer's backward rule reads its optimizer state only when it steps
+  (``updated``, or to check the step: ``atomic``). Otherwise no state goes
+  through the forward and backward loops, where it would be sliced per
+  layer and, saved for the backward rule, stacked again: XLA may or may
+  not remove it. adam's ``mu`` in bfloat16 is the only bfloat16 array of
+  the step. Training is unchanged: mode="current" with atomic=False
+  equals plain jax.value_and_grad (tolerance as above).
+  """
+  opt = optax.adam(1e-2, mu_dtype=jnp.bfloat16)
+  _, unrolled = _params()
+  params, data = _stacked(unrolled), _data()
+  loss_fn = _scan_loss()
+  tx = immgrad.shim(opt, atomic=atomic)
+  step = immgrad.value_and_grad(loss_fn, tx, mode=mode)
+  x, y = data[0]
+  jaxpr = jax.make_jaxpr(step)(params, tx.init(params), x, y).jaxpr
+  mu = [a for a in _scan_inputs(jaxpr) if a.dtype == jnp.bfloat16]
+  assert bool(mu) == carried, mu
+  if not carried:
+    expected = oracles.plain_steps(loss_fn, opt, params, data)
+
+    @jax.jit
+    def train(params, state, x, y):
+      loss, grads = step(params, state, x, y)
+      updates, state = tx.update(grads, state, params)
+      return optax.apply_updates(params, updates), state, loss
+
+    state, history, losses = tx.init(params), [], []
+    for x, y in data:
+      params, state, loss = train(params, state, x, y)
+      history.append(params)
+      losses.append(loss)
+    oracles.assert_runs_close((history, losses), expected, atol=ATOL, rtol=RTOL)
+
+
 def test_stacked_parameter_used_by_a_layer_and_ordinarily_is_an_error():
   def loss_fn(params, x, y):
     def block(h, p):

@@ -197,6 +197,14 @@ class Step:
     self._by_id: dict[int, Slot] = {}
     self._trace = None  # Set by `opened`, in the trace of the loss.
 
+  @property
+  def steps_in_backward(self) -> bool:
+    """Whether a layer's backward rule steps its parameters: it then
+    reads their optimizer state, which otherwise no layer needs (and which
+    loops and rematerialisation then need not carry).
+    """
+    return self.dx_at != 0 or self.atomic or self.measure_dx
+
   def add(self, slot: Slot) -> None:
     self.slots.append(slot)
     self._by_id[id(slot.view)] = slot

@@ -243,7 +243,15 @@ def _immediate(fun, step: context.Step, slots, treedef, x):
       y, vjp = jax.vjp(fun, x, bound(weights))
     else:
       y, vjp = jax.vjp(lambda w: fun(x, w), bound(weights))
-    return y, (vjp, x, weights, states)
+    # Only what the backward rule reads: under a loop every residual is
+    # stacked over the iterations, and XLA need not see through it.
+    x_again = at != 0 or step.measure_dx  # dx_from, at other weights.
+    return y, (
+      vjp,
+      x if x_again else None,
+      weights if step.steps_in_backward else None,
+      states,
+    )
 
   def dx_from(x, weights, dy):
     _, vjp_x = jax.vjp(lambda x: fun(x, treedef.unflatten(weights)), x)
@@ -258,7 +266,7 @@ def _immediate(fun, step: context.Step, slots, treedef, x):
     dw = axes.mean(jax.tree.leaves(dw), axis_name)
     nonfinite = jnp.zeros((), jnp.float32)
     dx, probes = dx_current if at == 0 else None, None
-    if at != 0 or step.atomic or step.measure_dx:
+    if step.steps_in_backward:
       stepped = [
         commit.step_parameter(slot.program, g, s, w)
         for slot, g, s, w in zip(slots, dw, states, weights)
@@ -291,7 +299,7 @@ def _immediate(fun, step: context.Step, slots, treedef, x):
   return core(
     x,
     [s.weight for s in slots],
-    [s.state for s in slots],
+    [s.state if step.steps_in_backward else [] for s in slots],
     step.flag,
     [s.probe for s in slots] if step.measure_dx else None,
   )

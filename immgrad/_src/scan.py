@@ -108,10 +108,12 @@ def scan(
     layers = jnp.shape(leaves[i])[0]
     # A shared leaf is repeated per layer: closed over instead, a value
     # that is not differentiated would stay in the body's closure, outside
-    # any trace that rematerialisation replays.
+    # any trace that rematerialisation replays. No state goes through the
+    # loop when no backward rule reads it.
     state = [
       a if axis == 0 else jnp.broadcast_to(a, (layers,) + a.shape)
       for a, axis in zip(slot.state, split)
+      if step.steps_in_backward
     ]
     probe = [slot.probe] if step.measure_dx else []
     channels.append([slot.weight] + probe + state)
