@@ -201,7 +201,7 @@ class Step:
   def steps_in_backward(self) -> bool:
     """Whether a layer's backward rule steps its parameters: it then
     reads their optimizer state, which otherwise no layer needs (and which
-    loops and rematerialisation then need not carry).
+    ``immgrad.scan``'s loops then need not carry).
     """
     return self.dx_at != 0 or self.atomic or self.measure_dx
 

@@ -105,10 +105,7 @@ def checkpoint(
 
     # The channels and the flag come first: static positions move up by two.
     shifted = tuple((i % len(args)) + 2 for i in static_argnums)
-    channels = [
-      (slot.weight, slot.state if step.steps_in_backward else [], slot.probe)
-      for _, slot in found
-    ]
+    channels = [(slot.weight, slot.state, slot.probe) for _, slot in found]
     return jax.checkpoint(inner, static_argnums=shifted, **options)(
       channels, step.flag, *args, **call_kwargs
     )
