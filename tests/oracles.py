@@ -92,9 +92,9 @@ def plain_steps(loss_fn, opt, params, batches):
   return history, losses
 
 
-def immediate_steps(loss_fn, opt, params, batches, **kwargs):
+def immediate_steps(loss_fn, opt, params, batches, atomic=True, **kwargs):
   """The same loop with immgrad; returns params after each step, losses."""
-  tx = immgrad.shim(opt)
+  tx = immgrad.shim(opt, atomic=atomic)
 
   @jax.jit
   def step(params, state, *batch):
