@@ -23,6 +23,7 @@ time does not drift).
 
 import collections
 import dataclasses
+import functools
 import glob
 import os
 import re
@@ -66,17 +67,38 @@ def _peak_bytes(compiled) -> int:
   )
 
 
+def _fresh(step: Callable) -> Callable:
+  """``step`` as a new function, which no cache of ``jax.jit`` has seen."""
+
+  @functools.wraps(step)
+  def fresh(*args):
+    return step(*args)
+
+  return fresh
+
+
 def measure(
-  candidates: list[Candidate], *, warmup: int, repeats: int
+  candidates: list[Candidate], *, warmup: int, repeats: int, compiles: int = 1
 ) -> dict[str, dict]:
-  """Figures for each candidate, timed interleaved; absolute values."""
-  compiled, state, out = {}, {}, {}
+  """Figures for each candidate, timed interleaved; absolute values.
+
+  ``compiles`` > 1: the compile time is the median of that many, taken
+  interleaved after one more that is dropped (the first pays for imports
+  and JAX's first-use caches), each through a fresh ``jax.jit`` wrapper so
+  that no cache serves it; ``compile_seconds_each`` lists them.
+  """
+  compiled, state, out, seconds = {}, {}, {}, {}
+  for _ in range(compiles + (compiles > 1)):
+    for c in candidates:
+      jitted = jax.jit(_fresh(c.step), donate_argnums=(0, 1))
+      start = time.perf_counter()
+      compiled[c.name] = jitted.lower(c.params, c.opt_state, *c.batch).compile()
+      seconds.setdefault(c.name, []).append(time.perf_counter() - start)
   for c in candidates:
-    jitted = jax.jit(c.step, donate_argnums=(0, 1))
-    start = time.perf_counter()
-    compiled[c.name] = jitted.lower(c.params, c.opt_state, *c.batch).compile()
+    each = seconds[c.name][1:] if compiles > 1 else seconds[c.name]
     out[c.name] = {
-      "compile_seconds": time.perf_counter() - start,
+      "compile_seconds": float(np.median(each)),
+      **({"compile_seconds_each": each} if compiles > 1 else {}),
       "flops": _flops(compiled[c.name]),
       "peak_bytes": _peak_bytes(compiled[c.name]),
       "step_seconds": [],
