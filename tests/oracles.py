@@ -195,3 +195,14 @@ def assert_runs_close(got, expected, atol, rtol):
       a, b, atol=atol, rtol=rtol, custom_message=f"after step {step + 1}"
     )
   chex.assert_trees_all_close(got_losses, expected_losses, atol=atol, rtol=rtol)
+
+
+def equations(jaxpr):
+  """Every equation of ``jaxpr``, those of nested programs included."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for param in eqn.params.values():  # Nested programs (jax >= 0.7.0).
+      for inner in param if isinstance(param, tuple | list) else (param,):
+        inner = getattr(inner, "jaxpr", inner)
+        if hasattr(inner, "eqns"):
+          yield from equations(inner)

@@ -287,17 +287,9 @@ def test_each_layer_steps_on_a_whole_gradient(mode, atomic, barriers):
     chain.loss_fn(immgrad.immediate_layer), tx, mode=mode
   )
   jaxpr = jax.make_jaxpr(step)(params, tx.init(params), x, y).jaxpr
-  assert _count(jaxpr, "optimization_barrier") == barriers
-
-
-def _count(jaxpr, primitive: str) -> int:
-  """How many equations of ``primitive`` ``jaxpr`` holds, nested included."""
-  n = 0
-  for eqn in jaxpr.eqns:
-    n += eqn.primitive.name == primitive
-    for param in eqn.params.values():
-      for inner in param if isinstance(param, tuple | list) else (param,):
-        inner = getattr(inner, "jaxpr", inner)
-        if hasattr(inner, "eqns"):
-          n += _count(inner, primitive)
-  return n
+  found = [
+    eqn
+    for eqn in oracles.equations(jaxpr)
+    if eqn.primitive.name == "optimization_barrier"
+  ]
+  assert len(found) == barriers

@@ -412,16 +412,12 @@ def _scan_outputs(jaxpr, side="outvars") -> list:
   """The avals of every scan's outputs (or ``side="invars"``, inputs) in
   ``jaxpr``, nested ones included.
   """
-  out = []
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "scan":
-      out += [v.aval for v in getattr(eqn, side)]
-    for param in eqn.params.values():  # Nested programs (jax >= 0.7.0).
-      for inner in param if isinstance(param, tuple | list) else (param,):
-        inner = getattr(inner, "jaxpr", inner)
-        if hasattr(inner, "eqns"):
-          out += _scan_outputs(inner, side)
-  return out
+  return [
+    v.aval
+    for eqn in oracles.equations(jaxpr)
+    if eqn.primitive.name == "scan"
+    for v in getattr(eqn, side)
+  ]
 
 
 @pytest.mark.parametrize("mode", ["current", "updated"])
