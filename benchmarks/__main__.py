@@ -141,6 +141,7 @@ def main_accelerator(args) -> int:
         f"{name!r} takes its FLOPs from {twin!r}: select that model too "
         f"(--models), or --merge into a results file that holds it"
       )
+  os.makedirs(args.out, exist_ok=True)
   for name, make, twin in chosen:
     print(f"measuring {name} ...", file=sys.stderr, flush=True)
     figures = {}

@@ -9,6 +9,8 @@ with depth under jit, XLA merging its repeated vjp chains, is a measurement
 reported by the suite, not a promise of ours.)
 """
 
+import json
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -266,6 +268,22 @@ def test_loop_model_without_its_unrolled_twin_stops_before_measuring(tmp_path):
   with pytest.raises(SystemExit, match=r"hk.layer_stack.*unrolled.*--models"):
     cli.main(argv + ["--models", "layer_stack"])
   assert not list(tmp_path.iterdir())
+
+
+def test_accelerator_run_makes_its_out_folder(tmp_path, monkeypatch):
+  """The accelerator run writes its results into a folder it makes (it
+  stopped on a missing one after measuring), here with one tiny model.
+  """
+  from benchmarks import __main__ as cli  # pylint: disable=g-import-not-at-top
+
+  methods = ("plain", "plain + apply_if_finite")
+  tiny = ("tiny MLP", lambda: models.mlp(2, 8, 4, methods=methods), None)
+  monkeypatch.setattr(cli, "accelerator_models", lambda: [tiny])
+  out = tmp_path / "not" / "there"
+  assert cli.main(["--sizes", "accelerator", "--out", str(out)]) == 0
+  with open(out / "results_accelerator.json") as f:
+    figures = json.load(f)["models"]["tiny MLP"]["figures"]
+  assert set(figures) == set(methods)
 
 
 def _barriers(loss_fn, params, x, y, mode, atomic):
