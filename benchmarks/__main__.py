@@ -27,11 +27,14 @@ given strings, ``--merge`` adds them to an existing results file,
 the device time of its longest operations, and ``--hlo-dir`` writes each
 step's optimized HLO. See docs/tpu.md.
 
-``--immediate`` instead measures, on the CPU models, each immgrad method
-built by ``immgrad.immediate`` on the undecorated model against the same
-method built by the model's adapter (``immgrad.immediate_layer``,
-``immgrad.haiku.immediate``), all in one process; writes
-``benchmarks/results_immediate.json`` and prints docs/auto.md's table.
+``--immediate`` instead measures each immgrad method built by
+``immgrad.immediate`` on the undecorated model against the same method
+built by the model's adapter (``immgrad.immediate_layer``,
+``immgrad.haiku.immediate``). At CPU sizes all in one process, interleaved:
+writes ``benchmarks/results_immediate.json``; at accelerator sizes each
+method alone as above (``--models``, ``--merge``, ``--profile`` apply):
+writes ``results_immediate_accelerator.json``. Both print docs/auto.md's
+table.
 """
 
 import argparse
@@ -78,44 +81,53 @@ def settings(quick: bool) -> dict:
   )
 
 
-def accelerator_models() -> list:
+def accelerator_models(methods=models.METHODS) -> list:
   """``(name, candidates, twin)`` for one accelerator chip (16 GB).
 
   Built lazily: each model's parameters are made only when it is measured.
   A twin is the loop-free model whose FLOPs a loop's figures take (or the
   name of one measured before it).
   """
+  m = dict(methods=methods)
   gpt = dict(blocks=12, d_model=768, heads=12, mlp_size=3072, seq=512)
   deep = dict(blocks=24, d_model=256, heads=4, mlp_size=1024, seq=256)
   return [
-    ("MLP 8x2048, batch 2048", lambda: models.mlp(8, 2048, 2048), None),
+    ("MLP 8x2048, batch 2048", lambda: models.mlp(8, 2048, 2048, **m), None),
     (
       "MLP 16x2048 under immgrad.scan, batch 1024",
-      lambda: models.scanned_mlp(16, 2048, 1024),
-      lambda: models.mlp(16, 2048, 1024),
+      lambda: models.scanned_mlp(16, 2048, 1024, **m),
+      lambda: models.mlp(16, 2048, 1024, **m),
     ),
     (
       "Transformer LM (12 blocks, d 768, seq 512, batch 16), unrolled",
-      lambda: models.transformer(batch=16, **gpt),
+      lambda: models.transformer(batch=16, **gpt, **m),
       None,
     ),
     (
       "Transformer LM (12 blocks, d 768, seq 512, batch 16), hk.layer_stack",
-      lambda: models.transformer(batch=16, stacked=True, **gpt),
+      lambda: models.transformer(batch=16, stacked=True, **gpt, **m),
       "Transformer LM (12 blocks, d 768, seq 512, batch 16), unrolled",
     ),
     (
       f"Transformer LM (24 blocks, d 256, seq 256, {16 * 24 + 6} leaves, "
       "batch 16)",
-      lambda: models.transformer(batch=16, **deep),
+      lambda: models.transformer(batch=16, **deep, **m),
       None,
     ),
   ]
 
 
-def main_accelerator(args) -> int:
-  """The accelerator's models, each method measured alone."""
-  path = os.path.join(args.out, args.name or "results_accelerator.json")
+def main_accelerator(args, methods=models.METHODS) -> int:
+  """The accelerator's models, each method measured alone.
+
+  With ``models.IMMEDIATE_METHODS`` (``--immediate``): each immgrad method
+  through ``immgrad.immediate`` and through the model's adapter.
+  """
+  immediate = methods == models.IMMEDIATE_METHODS
+  default = "results_immediate_accelerator.json" if immediate else None
+  path = os.path.join(
+    args.out, args.name or default or "results_accelerator.json"
+  )
   results = {
     "settings": {
       "warmup": 3,
@@ -131,7 +143,7 @@ def main_accelerator(args) -> int:
       results["models"] = json.load(f)["models"]
   chosen = [
     (name, make, twin)
-    for name, make, twin in accelerator_models()
+    for name, make, twin in accelerator_models(methods)
     if not args.models or any(m in name for m in args.models)
   ]
   known = {name for name, _, _ in chosen} | set(results["models"])
@@ -180,13 +192,14 @@ def main_accelerator(args) -> int:
       "compile_seconds",
     )
     entry["ratios"] = measure.ratios(figures, keys=keys)
-    entry["ratios_to_apply_if_finite"] = measure.ratios(
-      figures, baseline="plain + apply_if_finite", keys=keys
-    )
+    if not immediate:
+      entry["ratios_to_apply_if_finite"] = measure.ratios(
+        figures, baseline="plain + apply_if_finite", keys=keys
+      )
     results["models"][name] = entry
     with open(path, "w") as f:  # After each model: a later one may fail.
       json.dump(results, f, indent=1)
-  print(accelerator_table(results))
+  print(immediate_table(results) if immediate else accelerator_table(results))
   return 0
 
 
@@ -269,16 +282,17 @@ def main(argv=None) -> int:
   parser.add_argument(
     "--immediate",
     action="store_true",
-    help="CPU sizes: immgrad.immediate against the adapters",
+    help="immgrad.immediate against the adapters",
   )
   args = parser.parse_args(argv)
-  if args.immediate:
-    return main_immediate(args)
   sizes = args.sizes or (
     "cpu" if jax.default_backend() == "cpu" else "accelerator"
   )
   if sizes == "accelerator":
-    return main_accelerator(args)
+    methods = models.IMMEDIATE_METHODS if args.immediate else models.METHODS
+    return main_accelerator(args, methods)
+  if args.immediate:
+    return main_immediate(args)
   s = settings(args.quick)
   timing = dict(warmup=s["warmup"], repeats=s["repeats"])
   results = {
@@ -408,8 +422,10 @@ def main_immediate(args) -> int:
 
 
 def immediate_table(results) -> str:
-  """docs/auto.md's table: immgrad.immediate / the adapter, same run."""
-  keys = ("flops", "peak_bytes", "median_step_seconds", "compile_seconds")
+  """docs/auto.md's table: immgrad.immediate / the adapter, same run.
+
+  Step times are the device clock's where both were traced (``--profile``).
+  """
   rows = [
     "| model | method | FLOPs | peak memory | step time | compile time "
     "| adapter: step ms, compile s |",
@@ -423,10 +439,14 @@ def immediate_table(results) -> str:
       adapter = entry["figures"][
         method.replace("immediate, ", "").replace(" (immediate)", "")
       ]
+      step = "median_step_seconds"
+      if "device_step_seconds" in auto and "device_step_seconds" in adapter:
+        step = "device_step_seconds"
+      keys = ("flops", "peak_bytes", step, "compile_seconds")
       r = [auto[k] / adapter[k] for k in keys]
       rows.append(
         f"| {label} | {method} | {r[0]:.4f} | {r[1]:.4f} | {r[2]:.3f} | "
-        f"{r[3]:.2f} | {adapter['median_step_seconds'] * 1e3:.1f}, "
+        f"{r[3]:.2f} | {adapter[step] * 1e3:.1f}, "
         f"{adapter['compile_seconds']:.1f} |"
       )
       label = ""

@@ -278,12 +278,34 @@ def test_accelerator_run_makes_its_out_folder(tmp_path, monkeypatch):
 
   methods = ("plain", "plain + apply_if_finite")
   tiny = ("tiny MLP", lambda: models.mlp(2, 8, 4, methods=methods), None)
-  monkeypatch.setattr(cli, "accelerator_models", lambda: [tiny])
+  monkeypatch.setattr(cli, "accelerator_models", lambda methods: [tiny])
   out = tmp_path / "not" / "there"
   assert cli.main(["--sizes", "accelerator", "--out", str(out)]) == 0
   with open(out / "results_accelerator.json") as f:
     figures = json.load(f)["models"]["tiny MLP"]["figures"]
   assert set(figures) == set(methods)
+
+
+def test_immediate_at_accelerator_sizes_measures_both_fronts(
+  tmp_path, monkeypatch, capsys
+):
+  """``--immediate --sizes accelerator`` measures every method of both
+  fronts, each alone, and prints the ratios immediate / adapter.
+  """
+  from benchmarks import __main__ as cli  # pylint: disable=g-import-not-at-top
+
+  def tiny(methods):
+    return [("tiny MLP", lambda: models.mlp(1, 8, 4, methods=methods), None)]
+
+  monkeypatch.setattr(cli, "accelerator_models", tiny)
+  argv = ["--immediate", "--sizes", "accelerator", "--out", str(tmp_path)]
+  assert cli.main(argv) == 0
+  with open(tmp_path / "results_immediate_accelerator.json") as f:
+    entry = json.load(f)["models"]["tiny MLP"]
+  assert set(entry["figures"]) == set(models.IMMEDIATE_METHODS)
+  assert entry["ratios"]["updated (immediate)"]["flops"] > 0
+  rows = [r for r in capsys.readouterr().out.splitlines() if "(immediate" in r]
+  assert len(rows) == 4  # current, updated, each with atomic=False too.
 
 
 def _barriers(loss_fn, params, x, y, mode, atomic):
