@@ -206,3 +206,32 @@ def equations(jaxpr):
         inner = getattr(inner, "jaxpr", inner)
         if hasattr(inner, "eqns"):
           yield from equations(inner)
+
+
+def stacked(unrolled):
+  """An ``mlp``'s params with its hidden layers stacked for ``scanned_loss``:
+  ``{"blocks": layer0..layer{n-2} stacked, "head": the last layer}``.
+  """
+  names = sorted(unrolled, key=lambda name: int(name.removeprefix("layer")))
+  return {
+    "blocks": jax.tree.map(
+      lambda *a: jnp.stack(a), *[unrolled[n] for n in names[:-1]]
+    ),
+    "head": unrolled[names[-1]],
+  }
+
+
+def scanned_loss(reverse=False):
+  """MSE loss of ``stacked`` params: the blocks as immediate dense layers
+  under ``immgrad.scan``, tanh after each, then the immediate head.
+  """
+  layer = immgrad.immediate_layer(dense)
+
+  def loss_fn(params, x, y):
+    def block(h, p):
+      return jnp.tanh(layer(h, p)), None
+
+    h, _ = immgrad.scan(block, x, params["blocks"], reverse=reverse)
+    return mse(layer(h, params["head"]), y)
+
+  return loss_fn

@@ -12,7 +12,6 @@ reported by the suite, not a promise of ours.)
 import json
 
 import jax
-import jax.numpy as jnp
 import optax
 import pytest
 
@@ -340,19 +339,5 @@ def test_each_layer_outside_a_loop_steps_on_a_whole_gradient(
   loss_fn = chain.loss_fn(immgrad.immediate_layer)
   assert _barriers(loss_fn, params, x, y, mode, atomic) == unrolled
 
-  dense = immgrad.immediate_layer(oracles.dense)
-
-  def scanned_loss(params, x, y):
-    def block(h, p):
-      return jnp.tanh(dense(h, p)), None
-
-    h, _ = immgrad.scan(block, x, params["blocks"])
-    return oracles.mse(dense(h, params["head"]), y)
-
-  stacked = {
-    "blocks": jax.tree.map(
-      lambda *a: jnp.stack(a), params["layer0"], params["layer1"]
-    ),
-    "head": params["layer2"],
-  }
+  scanned_loss, stacked = oracles.scanned_loss(), oracles.stacked(params)
   assert _barriers(scanned_loss, stacked, x, y, mode, atomic) == scanned

@@ -128,20 +128,8 @@ def test_measure_dx_per_layer_of_a_scan():
   chain, unrolled = oracles.mlp(
     [width] * (layers + 1) + [3], jax.random.PRNGKey(0), act=jnp.tanh
   )
-  dense = immgrad.immediate_layer(oracles.dense)
-
-  def scan_loss(params, x, y):
-    def block(h, p):
-      return jnp.tanh(dense(h, p)), None
-
-    h, _ = immgrad.scan(block, x, params["blocks"])
-    return oracles.mse(dense(h, params["head"]), y)
-
-  blocks = [unrolled[f"layer{i}"] for i in range(layers)]
-  stacked = {
-    "blocks": jax.tree.map(lambda *a: jnp.stack(a), *blocks),
-    "head": unrolled[f"layer{layers}"],
-  }
+  scan_loss = oracles.scanned_loss()
+  stacked = oracles.stacked(unrolled)
   data = oracles.batches(jax.random.PRNGKey(1), 3, (8, width), (8, 3))
   opt = optax.sgd(0.2)
   *_, expected = oracles.sequential_steps(

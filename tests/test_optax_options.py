@@ -273,22 +273,6 @@ def test_mask_tree_under_scan_equals_unrolled():
   chain, unrolled = oracles.mlp(
     [width] * (layers + 1) + [3], jax.random.PRNGKey(0), act=jnp.tanh
   )
-  dense = immgrad.immediate_layer(oracles.dense)
-
-  def scan_loss(params, x, y):
-    def block(h, p):
-      return jnp.tanh(dense(h, p)), None
-
-    h, _ = immgrad.scan(block, x, params["blocks"])
-    return oracles.mse(dense(h, params["head"]), y)
-
-  def stack(tree):
-    blocks = [tree[f"layer{i}"] for i in range(layers)]
-    return {
-      "blocks": jax.tree.map(lambda *a: jnp.stack(a), *blocks),
-      "head": tree[f"layer{layers}"],
-    }
-
   data = oracles.batches(jax.random.PRNGKey(1), 4, (8, width), (8, 3))
   opt = optax.adamw(
     1e-2,
@@ -298,10 +282,14 @@ def test_mask_tree_under_scan_equals_unrolled():
   plain_opt = optax.adamw(1e-2, weight_decay=0.5, mask=_no_bias(unrolled))
   expected, _ = _steps(chain.loss_fn(), plain_opt, unrolled, data)
   got, _ = _steps(
-    scan_loss, immgrad.shim(opt), stack(unrolled), data, mode="current"
+    oracles.scanned_loss(),
+    immgrad.shim(opt),
+    oracles.stacked(unrolled),
+    data,
+    mode="current",
   )
   chex.assert_trees_all_close(
-    got[-1], stack(expected[-1]), atol=ATOL, rtol=RTOL
+    got[-1], oracles.stacked(expected[-1]), atol=ATOL, rtol=RTOL
   )
 
 

@@ -34,25 +34,6 @@ def _params():
   return chain, unrolled
 
 
-def _stacked(unrolled):
-  blocks = [unrolled[f"layer{i}"] for i in range(LAYERS)]
-  return {
-    "blocks": jax.tree.map(lambda *a: jnp.stack(a), *blocks),
-    "head": unrolled[f"layer{LAYERS}"],
-  }
-
-
-def _scan_loss(reverse=False):
-  def loss_fn(params, x, y):
-    def block(h, p):
-      return jnp.tanh(dense(h, p)), None
-
-    h, _ = immgrad.scan(block, x, params["blocks"], reverse=reverse)
-    return oracles.mse(dense(h, params["head"]), y)
-
-  return loss_fn
-
-
 def _data():
   return oracles.batches(jax.random.PRNGKey(1), STEPS, (8, WIDTH), (8, 3))
 
@@ -62,7 +43,7 @@ def _expected(kind, opt, chain, unrolled, data):
     history, losses = oracles.plain_steps(chain.loss_fn(), opt, unrolled, data)
   else:
     history, losses = oracles.sequential_steps(chain, opt, unrolled, data)
-  return [_stacked(p) for p in history], losses
+  return [oracles.stacked(p) for p in history], losses
 
 
 OPTIMIZERS = {
@@ -79,7 +60,7 @@ def test_scan_equals_unrolled(mode, opt_name):
   data = _data()
   opt = OPTIMIZERS[opt_name]()
   got = oracles.immediate_steps(
-    _scan_loss(), opt, _stacked(unrolled), data, mode=mode
+    oracles.scanned_loss(), opt, oracles.stacked(unrolled), data, mode=mode
   )
   oracles.assert_runs_close(
     got, _expected(mode, opt, chain, unrolled, data), atol=ATOL, rtol=RTOL
@@ -99,7 +80,7 @@ def test_model_and_rule_on_another_device_equal_unrolled():
   data = jax.device_put(_data(), device)
   opt = optax.adam(jax.device_put(jnp.float32(1e-2), device))
   got = oracles.immediate_steps(
-    _scan_loss(), opt, _stacked(unrolled), data, mode="current"
+    oracles.scanned_loss(), opt, oracles.stacked(unrolled), data, mode="current"
   )
   oracles.assert_runs_close(
     got, _expected("current", opt, chain, unrolled, data), atol=ATOL, rtol=RTOL
@@ -119,9 +100,13 @@ def test_reverse_scan_equals_reversed_layers():
     back = dict(p)
     for i in range(LAYERS):
       back[f"layer{i}"] = p[f"layer{LAYERS - 1 - i}"]
-    expected.append(_stacked(back))
+    expected.append(oracles.stacked(back))
   got = oracles.immediate_steps(
-    _scan_loss(reverse=True), opt, _stacked(unrolled), data, mode="updated"
+    oracles.scanned_loss(reverse=True),
+    opt,
+    oracles.stacked(unrolled),
+    data,
+    mode="updated",
   )
   oracles.assert_runs_close(got, (expected, losses), atol=ATOL, rtol=RTOL)
 
@@ -129,10 +114,10 @@ def test_reverse_scan_equals_reversed_layers():
 def test_shared_step_count_is_one_per_step():
   """adam's int32 count is shared by the layers: it advances by one."""
   _, unrolled = _params()
-  params = _stacked(unrolled)
+  params = oracles.stacked(unrolled)
   tx = immgrad.shim(optax.adam(1e-2))
   state = tx.init(params)
-  step = jax.jit(immgrad.value_and_grad(_scan_loss(), tx))
+  step = jax.jit(immgrad.value_and_grad(oracles.scanned_loss(), tx))
   for x, y in _data():
     _, grads = step(params, state, x, y)
     updates, state = tx.update(grads, state, params)
@@ -171,10 +156,12 @@ def _per_leaf_norm():
 
 def _first_stacked_step(opt):
   """The first immgrad step of the stacked model, shimming ``opt``."""
-  params = _stacked(_params()[1])
+  params = oracles.stacked(_params()[1])
   tx = immgrad.shim(opt)
   x, y = _data()[0]
-  return immgrad.value_and_grad(_scan_loss(), tx)(params, tx.init(params), x, y)
+  return immgrad.value_and_grad(oracles.scanned_loss(), tx)(
+    params, tx.init(params), x, y
+  )
 
 
 @pytest.mark.parametrize(
@@ -233,7 +220,7 @@ def test_stacked_parameter_used_by_two_scans_is_an_error():
     return oracles.mse(dense(h, params["head"]), y)
 
   _, unrolled = _params()
-  params = _stacked(unrolled)
+  params = oracles.stacked(unrolled)
   tx = immgrad.shim(optax.sgd(0.1))
   with pytest.raises(ValueError, match="reaches two immediate layer calls"):
     immgrad.value_and_grad(loss_fn, tx)(params, tx.init(params), *_data()[0])
@@ -333,7 +320,7 @@ def test_scan_inside_checkpoint():
 
   opt = optax.adam(1e-2)
   got = oracles.immediate_steps(
-    loss_fn, opt, _stacked(unrolled), data, mode="updated"
+    loss_fn, opt, oracles.stacked(unrolled), data, mode="updated"
   )
   oracles.assert_runs_close(
     got, _expected("updated", opt, chain, unrolled, data), atol=ATOL, rtol=RTOL
@@ -369,7 +356,7 @@ def _busy_loss(params, x, y):
 
 def _busy_params():
   _, unrolled = _params()
-  params = _stacked(unrolled)
+  params = oracles.stacked(unrolled)
   params["gain"] = 1.0 + 0.1 * jax.random.normal(
     jax.random.PRNGKey(2), (LAYERS, WIDTH)
   )
@@ -466,8 +453,8 @@ def test_optimizer_state_enters_the_loops_only_when_a_layer_steps(
   """
   opt = optax.adam(1e-2, mu_dtype=jnp.bfloat16)
   _, unrolled = _params()
-  params, data = _stacked(unrolled), _data()
-  loss_fn = _scan_loss()
+  params, data = oracles.stacked(unrolled), _data()
+  loss_fn = oracles.scanned_loss()
   tx = immgrad.shim(opt, atomic=atomic)
   step = immgrad.value_and_grad(loss_fn, tx, mode=mode)
   x, y = data[0]
@@ -491,7 +478,7 @@ def test_stacked_parameter_used_by_a_layer_and_ordinarily_is_an_error():
     return oracles.mse(dense(h, params["head"]), y)
 
   _, unrolled = _params()
-  params = _stacked(unrolled)
+  params = oracles.stacked(unrolled)
   tx = immgrad.shim(optax.sgd(0.1))
   with pytest.raises(
     ValueError,
@@ -528,7 +515,7 @@ def test_nested_scans_equal_unrolled(mode):
     return oracles.mse(dense(h, params["head"]), y)
 
   history, losses = oracles.immediate_steps(
-    loss_fn, opt, nest(_stacked(unrolled)), data, mode=mode
+    loss_fn, opt, nest(oracles.stacked(unrolled)), data, mode=mode
   )
   expected, expected_losses = _expected(mode, opt, chain, unrolled, data)
   oracles.assert_runs_close(
@@ -555,7 +542,7 @@ def test_checkpoint_inside_scan_updates_once():
   got = oracles.immediate_steps(
     loss_fn,
     _counting(optax.adam(1e-2), calls),
-    _stacked(unrolled),
+    oracles.stacked(unrolled),
     data,
     mode="current",
   )
@@ -567,7 +554,7 @@ def test_checkpoint_inside_scan_updates_once():
   # it steps the whole stack at once (vmapped) and selects (accelerators,
   # commit.by_select); and one for the shared step count.
   slices = len(jax.tree.leaves(unrolled))
-  commits = len(jax.tree.leaves(_stacked(unrolled)))
+  commits = len(jax.tree.leaves(oracles.stacked(unrolled)))
   if not commit.by_select():
     commits = slices
   assert len(calls) == (slices + commits + 1) * STEPS
