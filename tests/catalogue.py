@@ -75,6 +75,7 @@ import optax.contrib
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import immgrad  # pylint: disable=g-import-not-at-top,wrong-import-position
 import oracles  # pylint: disable=g-import-not-at-top,wrong-import-position
+import xla_flags  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 MODULES = {"": optax, "contrib.": optax.contrib}
 
@@ -999,14 +1000,6 @@ def readme_table(results=None) -> str:
 # Subprocesses (float64 must not leak into the caller's JAX).
 
 _FORCED_DEVICES = "--xla_force_host_platform_device_count"
-# The catalogue compiles some 250 small programs and runs each for
-# milliseconds: compile time is all its time, and these halve it on CPU
-# (plain and shim runs are compiled alike, so the comparison is unchanged).
-_FAST_COMPILE = (
-  "--xla_backend_optimization_level=0",
-  "--xla_llvm_disable_expensive_passes=true",
-  "--xla_cpu_use_fusion_emitters=false",
-)
 
 
 def subprocess_env(dtype: str) -> dict:
@@ -1017,7 +1010,13 @@ def subprocess_env(dtype: str) -> dict:
     for f in env.get("XLA_FLAGS", "").split()
     if not f.startswith(_FORCED_DEVICES)
   ]
-  env["XLA_FLAGS"] = " ".join(flags + list(_FAST_COMPILE))
+  # Some 250 small programs, each run for milliseconds: compiling is all
+  # the time, and the suite's fast settings halve it (plain and shim runs
+  # are compiled alike, so the comparison is unchanged).
+  env["XLA_FLAGS"] = " ".join(
+    xla_flags.without_fast_compile(" ".join(flags)).split()
+    + list(xla_flags.FAST_COMPILE)
+  )
   return env
 
 

@@ -1,6 +1,6 @@
-"""Test setup: four simulated CPU devices, and a compilation cache.
+"""Test setup: four simulated CPU devices, fast compiling, a compilation cache.
 
-pytest imports this file before any test module, so the flag is in place
+pytest imports this file before any test module, so the flags are in place
 before the first ``import jax`` of the run creates a backend.
 """
 
@@ -9,11 +9,18 @@ import os
 import shutil
 import tempfile
 
-_FLAG = "--xla_force_host_platform_device_count=4"
-if _FLAG not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " " + _FLAG
-  ).strip()
+import pytest
+
+import xla_flags
+
+_FLAGS = ("--xla_force_host_platform_device_count=4",) + (
+  () if xla_flags.at_defaults() else xla_flags.FAST_COMPILE
+)
+for _FLAG in _FLAGS:
+  if _FLAG not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+      os.environ.get("XLA_FLAGS", "") + " " + _FLAG
+    ).strip()
 
 import jax  # pylint: disable=g-import-not-at-top  # noqa: E402
 
@@ -39,35 +46,55 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 # --no-loadscope-reorder, so collection order): the slowest first, so that
 # the two workers finish together instead of one running a slow module
 # alone at the end (xdist's own order, by number of tests, put
-# test_properties' one 60 s test and test_real_models' seven last). CPU
-# seconds per module, measured alone on a 2-core machine (issue 25);
-# modules not listed follow in their usual order. A stale list costs time,
+# test_properties' one 60 s test and test_real_models' seven last).
+# Seconds of test time per module at the fast settings, from a whole run
+# on a 2-core machine (2026-12-06, --durations=0); modules not listed
+# follow in their usual order. A stale list costs time,
 # never a test.
 SLOWEST_FIRST = (
-  "test_experiments.py",  # 235 s
-  "test_auto.py",  # 157
-  "test_catalogue.py",  # 110 (two processes at once)
-  "test_haiku_modules.py",  # 98
-  "test_haiku_models.py",  # 98
-  "test_flax.py",  # 89
-  "test_real_models.py",  # 79
-  "test_equinox.py",  # 71
-  "test_current.py",  # 64
-  "test_properties.py",  # 61
-  "test_parallel.py",  # 43
-  "test_optax_options.py",  # 41
-  "test_between_modes.py",  # 40
-  "test_scan.py",  # 36
-  "test_orbax.py",  # 33
-  "test_reparam.py",  # 31
-  "test_vmap.py",  # 28
+  "test_experiments.py",  # 168 s
+  "test_catalogue.py",  # 93 (two processes at once)
+  "test_xla_defaults.py",  # 65 (a pytest process at XLA's defaults)
+  "test_real_models.py",  # 43
+  "test_equinox.py",  # 41
+  "test_flax.py",  # 41
+  "test_auto.py",  # 40
+  "test_haiku_models.py",  # 40
+  "test_benchmarks.py",  # 39
+  "test_haiku_modules.py",  # 35
+  "test_properties.py",  # 26
+  "test_scan.py",  # 26
+  "test_parallel.py",  # 26
+  "test_current.py",  # 20
+  "test_examples.py",  # 18
+  "test_reparam.py",  # 17
+  "test_orbax.py",  # 17
 )
 
 
+def pytest_configure(config):
+  config.addinivalue_line(
+    "markers",
+    "xla_defaults: holds only as XLA compiles by default (tests/xla_flags.py)",
+  )
+
+
 def pytest_collection_modifyitems(items):
-  """Modules in ``SLOWEST_FIRST`` order; tests within a module as written."""
+  """Modules in ``SLOWEST_FIRST`` order; tests within a module as written.
+
+  Tests marked ``xla_defaults`` skip unless this process compiles at XLA's
+  defaults; ``test_xla_defaults.py`` runs them in one that does.
+  """
   rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
   items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+  if not xla_flags.at_defaults():
+    skip = pytest.mark.skip(
+      reason="bit for bit only at XLA's default compilation: run by "
+      "test_xla_defaults.py"
+    )
+    for item in items:
+      if item.get_closest_marker("xla_defaults"):
+        item.add_marker(skip)
 
 
 # Run as their own processes by test_multiprocess.py and test_orbax.py,

@@ -25,6 +25,9 @@ import pytest
 
 import immgrad
 
+# Bit for bit as XLA compiles by default (tests/xla_flags.py).
+pytestmark = pytest.mark.xla_defaults
+
 N, M = 6, 4  # x: (N, N), w: (N, M); C: (N, M) with C[i, i] = 1.
 
 OPTIMIZERS = {

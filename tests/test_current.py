@@ -68,6 +68,7 @@ def test_current_equals_plain_training(model, name):
   oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.xla_defaults
 @pytest.mark.parametrize("name", ["sgd", "momentum"])
 def test_first_step_new_weights_are_bitwise(name):
   """One step from the same weights: the same float operations.

@@ -189,6 +189,7 @@ def _resnet_run(model, params, state, data, mode=None):
   return params, state, loss
 
 
+@pytest.mark.xla_defaults
 def test_resnet18_current_equals_plain_with_batchnorm_state():
   keys = jax.random.split(jax.random.PRNGKey(4), 2 * 3)
   data = [
@@ -397,6 +398,7 @@ def _counting(opt, calls):
   return optax.GradientTransformation(opt.init, update)
 
 
+@pytest.mark.xla_defaults
 @pytest.mark.parametrize("mode", ["current", "updated"])
 def test_remat_equals_no_remat_and_updates_once(mode):
   data = oracles.batches(jax.random.PRNGKey(1), STEPS, (8, WIDTH), (8, 3))

@@ -19,7 +19,8 @@ fuse them differently (contract a multiply and an add into one fused
 multiply-add in one of them), and then they differ by that rounding, about
 an ulp of the weight.
 ``tests/test_commit.py`` measures them bit for bit equal for the rules and
-models it runs.
+models it runs at XLA's default settings (not at XLA CPU's cheapest, the
+suite's: ``tests/xla_flags.py``).
 """
 
 import math
