@@ -13,8 +13,9 @@ import pytest
 
 import xla_flags
 
+_AT_DEFAULTS = xla_flags.at_defaults()
 _FLAGS = ("--xla_force_host_platform_device_count=4",) + (
-  () if xla_flags.at_defaults() else xla_flags.FAST_COMPILE
+  () if _AT_DEFAULTS else xla_flags.FAST_COMPILE
 )
 for _FLAG in _FLAGS:
   if _FLAG not in os.environ.get("XLA_FLAGS", ""):
@@ -87,11 +88,8 @@ def pytest_collection_modifyitems(items):
   """
   rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
   items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
-  if not xla_flags.at_defaults():
-    skip = pytest.mark.skip(
-      reason="bit for bit only at XLA's default compilation: run by "
-      "test_xla_defaults.py"
-    )
+  if not _AT_DEFAULTS:
+    skip = pytest.mark.skip(reason=xla_flags.SKIPPED)
     for item in items:
       if item.get_closest_marker("xla_defaults"):
         item.add_marker(skip)

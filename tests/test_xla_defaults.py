@@ -26,7 +26,7 @@ def test_marked_tests_pass_at_xla_default_compilation():
   tests = os.path.dirname(os.path.abspath(__file__))
   proc = subprocess.run(
     [sys.executable, "-m", "pytest", "-m", "xla_defaults", "-n", "0"]
-    + ["-o", "addopts=", "-p", "no:cacheprovider", "-q", tests],
+    + ["-o", "addopts=", "-p", "no:cacheprovider", "-q", "-rs", tests],
     env=env,
     cwd=os.path.dirname(tests),
     capture_output=True,
@@ -34,3 +34,5 @@ def test_marked_tests_pass_at_xla_default_compilation():
     check=False,
   )
   assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+  # Run, not skipped as at the fast settings (-rs lists skip reasons).
+  assert xla_flags.SKIPPED not in proc.stdout, proc.stdout[-6000:]
