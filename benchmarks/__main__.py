@@ -35,6 +35,9 @@ writes ``benchmarks/results_immediate.json``; at accelerator sizes each
 method alone as above (``--models``, ``--merge``, ``--profile`` apply):
 writes ``results_immediate_accelerator.json``. Both print docs/auto.md's
 table.
+
+``python -m benchmarks.compile_tpu`` compiles the accelerator models for a
+TPU v5e on a machine without one (FLOPs, bytes, memory, compile time).
 """
 
 import argparse

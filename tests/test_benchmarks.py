@@ -341,3 +341,41 @@ def test_each_layer_outside_a_loop_steps_on_a_whole_gradient(
 
   scanned_loss, stacked = oracles.scanned_loss(), oracles.stacked(params)
   assert _barriers(scanned_loss, stacked, x, y, mode, atomic) == scanned
+
+
+def test_compiling_for_the_tpu_records_each_method_compiled_alike(
+  tmp_path, monkeypatch, capsys
+):
+  """``python -m benchmarks.compile_tpu`` (here for the CPU's device, no
+  libtpu in CI): every method compiled ``--repeats`` times, interleaved,
+  the same program each time; the atomic shim commits as on an
+  accelerator (by select: no ``conditional`` in its program, where the
+  CPU's commit has one per parameter).
+  """
+  from benchmarks import __main__ as cli  # pylint: disable=g-import-not-at-top
+  from benchmarks import compile_tpu  # pylint: disable=g-import-not-at-top
+
+  methods = ("plain", "current")
+  tiny = ("tiny MLP", lambda: models.mlp(2, 8, 4, methods=methods), None)
+  monkeypatch.setattr(cli, "accelerator_models", lambda methods: [tiny])
+  cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+  monkeypatch.setattr(compile_tpu, "tpu_sharding", lambda: cpu)
+  out = tmp_path / "compiled.json"
+  assert compile_tpu.main(["--repeats", "2", "--out", str(out)]) == 0
+  with open(out) as f:
+    entry = json.load(f)["models"]["tiny MLP"]
+  for method in methods:
+    figures = entry["figures"][method]
+    assert len(figures["compile_seconds"]) == 2
+    assert figures["hlo"]["conditional"] == 0
+    assert entry["ratios"][method]["flops"] > 0
+  assert entry["figures"]["current"]["hlo"]["select"] > 0
+  assert "| tiny MLP | plain | 1.0000 |" in capsys.readouterr().out
+  # The CPU's own commit of the same step branches per parameter.
+  (current,) = models.mlp(2, 8, 4, methods=("current",))
+  compiled = (
+    jax.jit(current.step)
+    .lower(current.params, current.opt_state, *current.batch)
+    .compile()
+  )
+  assert measure.hlo_counts(compiled.as_text())["conditional"] > 0
