@@ -26,10 +26,9 @@ docs/development.md ("Compiling for the TPU without one").
 """
 
 import argparse
-import contextlib
+from importlib import metadata
 import json
 import os
-import re
 import sys
 import time
 from unittest import mock
@@ -81,13 +80,9 @@ def compile_for(candidate: measure.Candidate, sharding) -> tuple:
     start = time.perf_counter()
     compiled = step.lower(*shapes).compile()
     seconds = time.perf_counter() - start
-  cost = measure._cost(compiled)  # pylint: disable=protected-access
   return compiled, {
     "compile_seconds": seconds,
-    "flops": float(cost["flops"]),
-    "bytes_accessed": float(cost["bytes accessed"]),
-    "peak_bytes": measure._peak_bytes(compiled),  # pylint: disable=protected-access
-    "hlo": measure.hlo_counts(compiled.as_text()),
+    **measure.compiled_figures(compiled),
   }
 
 
@@ -144,7 +139,8 @@ def main(argv=None) -> int:
         if figures[c.name] is None:
           figures[c.name] = f
           if args.hlo_dir:
-            _write_hlo(args.hlo_dir, name, c.name, compiled.as_text())
+            folder = os.path.join(args.hlo_dir, bench._slug(name))  # pylint: disable=protected-access
+            measure.write_hlo(folder, c.name, compiled)
         elif f != figures[c.name]:
           raise RuntimeError(f"{name} | {c.name}: compiled differently")
         del compiled
@@ -183,20 +179,11 @@ def table(results) -> str:
   return "\n".join(rows)
 
 
-def _write_hlo(folder: str, model: str, method: str, text: str) -> None:
-  path = os.path.join(folder, bench._slug(model))  # pylint: disable=protected-access
-  os.makedirs(path, exist_ok=True)
-  name = re.sub(r"[^A-Za-z0-9.]+", "_", method).strip("_")
-  with open(os.path.join(path, f"{name}.hlo.txt"), "w") as f:
-    f.write(text)
-
-
 def _libtpu_version() -> str | None:
-  with contextlib.suppress(Exception):
-    from importlib import metadata  # pylint: disable=import-outside-toplevel
-
+  try:
     return metadata.version("libtpu")
-  return None
+  except metadata.PackageNotFoundError:
+    return None
 
 
 if __name__ == "__main__":

@@ -120,6 +120,26 @@ def measure(
   return out
 
 
+def compiled_figures(compiled) -> dict:
+  """What compilation alone tells of a step: XLA's FLOPs, bytes accessed and
+  peak memory, and the optimized HLO's operation counts (:func:`hlo_counts`).
+  """
+  return {
+    "flops": _flops(compiled),
+    "bytes_accessed": float(_cost(compiled)["bytes accessed"]),
+    "peak_bytes": _peak_bytes(compiled),
+    "hlo": hlo_counts(compiled.as_text()),
+  }
+
+
+def write_hlo(folder: str, method: str, compiled) -> None:
+  """Writes ``compiled``'s optimized HLO to ``folder/METHOD.hlo.txt``."""
+  os.makedirs(folder, exist_ok=True)
+  name = re.sub(r"[^A-Za-z0-9.]+", "_", method).strip("_")
+  with open(os.path.join(folder, f"{name}.hlo.txt"), "w") as f:
+    f.write(compiled.as_text())
+
+
 def measure_alone(
   candidates: list[Candidate],
   *,
@@ -147,16 +167,10 @@ def measure_alone(
     compiled = jitted.lower(*shapes).compile()
     figures = {
       "compile_seconds": time.perf_counter() - start,
-      "flops": _flops(compiled),
-      "bytes_accessed": float(_cost(compiled)["bytes accessed"]),
-      "peak_bytes": _peak_bytes(compiled),
-      "hlo": hlo_counts(compiled.as_text()),
+      **compiled_figures(compiled),
     }
     if hlo_dir is not None:
-      os.makedirs(hlo_dir, exist_ok=True)
-      name = re.sub(r"[^A-Za-z0-9.]+", "_", c.name).strip("_")
-      with open(os.path.join(hlo_dir, f"{name}.hlo.txt"), "w") as f:
-        f.write(compiled.as_text())
+      write_hlo(hlo_dir, c.name, compiled)
     state = jax.device_put((c.params, c.opt_state))
     times = []
     for i in range(warmup + repeats):
