@@ -64,12 +64,12 @@ def tpu_sharding(topology: str = "v5e:1x1") -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec())
 
 
-def compile_for(candidate: measure.Candidate, sharding) -> tuple:
-  """``(compiled, figures)``: ``candidate``'s step compiled for ``sharding``.
+def traced_for(candidate: measure.Candidate, sharding) -> jax.stages.Traced:
+  """``candidate``'s step traced for arrays placed by ``sharding``.
 
   The atomic shim commits by select on an accelerator and by ``lax.cond``
-  on the CPU, choosing by the default backend, which in this process is
-  the CPU: the accelerator's choice is made here.
+  on the CPU, choosing by the default backend while it is traced, which
+  in this process is the CPU: the accelerator's choice is made here.
   """
   shapes = jax.tree.map(
     lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
@@ -77,9 +77,16 @@ def compile_for(candidate: measure.Candidate, sharding) -> tuple:
   )
   step = jax.jit(measure._fresh(candidate.step), donate_argnums=(0, 1))  # pylint: disable=protected-access
   with mock.patch.object(commit, "by_select", lambda: True):
-    start = time.perf_counter()
-    compiled = step.lower(*shapes).compile()
-    seconds = time.perf_counter() - start
+    return step.trace(*shapes)
+
+
+def compile_for(candidate: measure.Candidate, sharding) -> tuple:
+  """``(compiled, figures)``: ``candidate``'s step compiled for ``sharding``
+  (:func:`traced_for`), and the seconds that took.
+  """
+  start = time.perf_counter()
+  compiled = traced_for(candidate, sharding).lower().compile()
+  seconds = time.perf_counter() - start
   return compiled, {
     "compile_seconds": seconds,
     **measure.compiled_figures(compiled),

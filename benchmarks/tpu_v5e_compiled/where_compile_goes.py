@@ -28,35 +28,23 @@ UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
 
 def one(method: str) -> dict:
   """Compiles ``method``'s step in this process; its times and size."""
-  from unittest import mock  # pylint: disable=import-outside-toplevel
-
-  import jax  # pylint: disable=import-outside-toplevel
-
   from benchmarks import compile_tpu  # pylint: disable=import-outside-toplevel
-  from benchmarks import measure  # pylint: disable=import-outside-toplevel
   from benchmarks import models  # pylint: disable=import-outside-toplevel
-  from immgrad._src import commit  # pylint: disable=import-outside-toplevel
 
-  sharding = compile_tpu.tpu_sharding()
   deep = dict(blocks=24, d_model=256, heads=4, mlp_size=1024, seq=256)
   (c,) = [
     c
     for c in models.transformer(batch=16, **deep, methods=(method,))
     if c.name == method
   ]
-  shapes = jax.tree.map(
-    lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
-    (c.params, c.opt_state, *c.batch),
-  )
-  step = jax.jit(measure._fresh(c.step), donate_argnums=(0, 1))  # pylint: disable=protected-access
-  with mock.patch.object(commit, "by_select", lambda: True):
-    t0 = time.perf_counter()
-    traced = step.trace(*shapes)
-    t1 = time.perf_counter()
-    lowered = traced.lower()
-    t2 = time.perf_counter()
-    lowered.compile()
-    t3 = time.perf_counter()
+  sharding = compile_tpu.tpu_sharding()
+  t0 = time.perf_counter()
+  traced = compile_tpu.traced_for(c, sharding)
+  t1 = time.perf_counter()
+  lowered = traced.lower()
+  t2 = time.perf_counter()
+  lowered.compile()
+  t3 = time.perf_counter()
   return {
     "trace_s": t1 - t0,
     "lower_s": t2 - t1,
