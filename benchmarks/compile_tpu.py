@@ -71,10 +71,7 @@ def traced_for(candidate: measure.Candidate, sharding) -> jax.stages.Traced:
   on the CPU, choosing by the default backend while it is traced, which
   in this process is the CPU: the accelerator's choice is made here.
   """
-  shapes = jax.tree.map(
-    lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
-    (candidate.params, candidate.opt_state, *candidate.batch),
-  )
+  shapes = measure.abstract_inputs(candidate, sharding)
   step = jax.jit(measure._fresh(candidate.step), donate_argnums=(0, 1))  # pylint: disable=protected-access
   with mock.patch.object(commit, "by_select", lambda: True):
     return step.trace(*shapes)

@@ -120,6 +120,16 @@ def measure(
   return out
 
 
+def abstract_inputs(candidate: Candidate, sharding=None) -> tuple:
+  """``candidate``'s step arguments (params, optimizer state, batch) as
+  shapes and dtypes, placed by ``sharding`` (None: JAX's default).
+  """
+  return jax.tree.map(
+    lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+    (candidate.params, candidate.opt_state, *candidate.batch),
+  )
+
+
 def compiled_figures(compiled) -> dict:
   """What compilation alone tells of a step: XLA's FLOPs, bytes accessed and
   peak memory, and the optimized HLO's operation counts (:func:`hlo_counts`).
@@ -159,10 +169,7 @@ def measure_alone(
   out = {}
   for c in candidates:
     jitted = jax.jit(c.step, donate_argnums=(0, 1))
-    shapes = jax.tree.map(
-      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
-      (c.params, c.opt_state, *c.batch),
-    )
+    shapes = abstract_inputs(c)
     start = time.perf_counter()
     compiled = jitted.lower(*shapes).compile()
     figures = {
