@@ -534,7 +534,8 @@ def plot_dx(path: str, records: list[dict], title: str) -> None:
     squeeze=False,
     sharex=True,
     sharey=True,
-    figsize=(3.6 * len(methods) + 0.6, 2.6 * len(lrs) + 0.8),
+    # At least the title's width: one panel alone would cut it.
+    figsize=(max(6.5, 3.6 * len(methods) + 0.6), 2.6 * len(lrs) + 0.8),
   )
   cmap = plt.get_cmap("viridis")
   for r in records:
