@@ -226,6 +226,33 @@ def test_step_time_ratio_and_aggregate():
   assert agg["diverged_runs"] == 1 and agg["diverged_at"] == [7]
 
 
+def test_steps_behind_plain_is_the_shift_between_the_curves():
+  # Plain's loss falls by one a step, with a wiggle of +-0.75 (so it
+  # rises every other step); the method follows the same curve k steps
+  # late (k < 0: early). The reference figures are k by construction; the
+  # last point is never reached by a late method (its losses stop k steps
+  # short of plain's last value). Quarters, so that the smoothed curves'
+  # sums are exact in float64 and equal values compare equal. A spike at
+  # step 60 lifts plain's smoothed curve above where it was three steps
+  # before: read at step 60, plain itself first had that loss at step 57,
+  # so a method 7 steps late is 7 behind, not 7 - 3.
+  t = np.arange(100, dtype=np.float64)
+  plain = 200.0 - t + 0.75 * (-1.0) ** t
+  plain[59] += 30.0
+
+  def shifted(k):
+    return [plain[min(max(i - k, 0), 99)] for i in range(100)]
+
+  assert report.lag_steps(100) == [20, 40, 60, 80, 100]
+  assert report.steps_behind(shifted(7), plain, 100) == [7, 7, 7, 7, None]
+  assert report.steps_behind(shifted(-5), plain, 100) == [-5] * 5
+  assert report.steps_behind(list(plain), plain, 100) == [0] * 5
+  diverged = [200.0, 199.0, math.nan] + [math.nan] * 97
+  assert report.steps_behind(diverged, plain, 100) == [None] * 5
+  table = report.lag_table({"a=1": [[7, 7, 7, 7, None], [9, 9, 9, 9, 9]]}, 100)
+  assert "| a=1 | 8 | 8 | 8 | 8 | never |" in table
+
+
 # -- issue 16: between the modes ------------------------------------------
 
 
@@ -499,6 +526,10 @@ def test_split_runs_merge_into_the_joint_run(tmp_path):
   assert "Sanity check (a=0 reproduces plain): PASSED" in merged.stdout
   together = json.loads((joint_out / "results.json").read_text())
   result = json.loads((m / "results.json").read_text())
+  # a=0 is plain: the same curve, 0 steps behind at every point.
+  lags = result["steps_behind_plain"][str(result["settings"]["lr"])]
+  assert lags["per_seed"]["a=0"] == [[0] * len(lags["at_steps"])]
+  assert "Steps behind plain" in merged.stdout
   assert result["settings"]["methods"] == ["plain", "a=0", "a=1"]
   assert len(result["settings"]["merged_from"]) == 2
   # Each method's run is the same whether it trained alone or beside the

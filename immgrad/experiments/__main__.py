@@ -432,7 +432,7 @@ def _report(args, run, info, out):
   """Summaries, tables, checks, results.json and plots of ``run``."""
   settings, unit, name = info["settings"], info["loss_unit"], info["name"]
   lr, steps, methods = settings["lr"], settings["steps"], settings["methods"]
-  records, sanity, aggregates, summaries = [], [], {}, {}
+  records, sanity, aggregates, summaries, lags = [], [], {}, {}, {}
   for (run_lr, seed), runs in sorted(run.items()):
     per_method = summaries.setdefault(run_lr, {m: [] for m in methods})
     target = args.target or report.default_target(runs, steps)
@@ -440,6 +440,10 @@ def _report(args, run, info, out):
       summary = report.summarise(r, runs.get("plain"), steps, target)
       summary["target"] = target
       per_method[method].append(summary)
+      if "plain" in runs and method != "plain":
+        lags.setdefault(run_lr, {}).setdefault(method, []).append(
+          report.steps_behind(r.losses, runs["plain"].losses, steps)
+        )
       record = dict(
         lr=run_lr,
         seed=seed,
@@ -492,6 +496,8 @@ def _report(args, run, info, out):
       "Sanity check: not run (it needs plain and current or a=0; "
       "merge runs that have them with --merge)."
     )
+  if lags.get(lr):
+    text += ["", report.lag_table(lags[lr], steps)]
   sweep = None
   if settings["lr_sweep"]:
     sweep = _sweep(aggregates, methods)
@@ -523,6 +529,10 @@ def _report(args, run, info, out):
       lr_sweep=sweep,
       mode_sweep=mode_sweep,
       dx_change=dx_rows,
+      steps_behind_plain={
+        str(k): dict(at_steps=report.lag_steps(steps), per_seed=v)
+        for k, v in lags.items()
+      },
       runs=records,
     ),
   )

@@ -26,6 +26,10 @@ Definitions, printed under every table:
   initialisation and batches) as mean ± standard error, flagged ``>2se``
   when its mean exceeds twice its standard error (with 3 seeds, 2
   degrees of freedom: a weak test, so the range rule is the verdict);
+* *steps behind plain*: at each fifth of the run (step t), how many steps
+  later than plain the method's smoothed loss first reaches plain's
+  smoothed loss at t (negative: sooner, ahead of plain); "never" if a
+  seed does not reach it within the run; mean over seeds;
 * *dX change* (``--measure-dx``): per immediate layer and step,
   ``|dX_updated - dX_current| / |dX_current|``, the layer's input gradient
   from its new weights against that from its old ones, measured on the
@@ -101,6 +105,59 @@ def summarise(run, plain, steps: int, target: float | None) -> dict:
       out["steps_to_target"] = int(reached[0]) + 1
       out["seconds_to_target"] = float(np.sum(run.seconds[: reached[0] + 1]))
   return out
+
+
+LAG_FRACTIONS = (0.2, 0.4, 0.6, 0.8, 1.0)
+
+
+def lag_steps(steps: int) -> list[int]:
+  """The steps (counted from 1) at which "steps behind plain" is read."""
+  return sorted({max(1, round(f * steps)) for f in LAG_FRACTIONS})
+
+
+def steps_behind(losses, reference, steps: int) -> list[int | None]:
+  """At each of ``lag_steps(steps)`` (step t): how many steps later than
+  the smoothed ``reference`` the smoothed ``losses`` first reach the
+  reference's value at t (negative if sooner; 0 for the same curve, however
+  it wiggles); None if they never do within the run.
+
+  >>> steps_behind([4.0, 3.0, 2.0, 1.0, 0.5], [3.0, 2.0, 1.0, 0.0, 0.0], 5)
+  [1, 1, 1, None, None]
+  """
+  window = window_of(steps)
+  curve, ref = smoothed(losses, window), smoothed(reference, window)
+  out = []
+  for t in lag_steps(steps):
+    if t > len(ref) or not np.isfinite(ref[t - 1]):
+      out.append(None)
+      continue
+    first = int(np.argmax(ref <= ref[t - 1]))  # Plain's own first time.
+    reached = np.nonzero(curve <= ref[t - 1])[0]
+    out.append(int(reached[0]) - first if len(reached) else None)
+  return out
+
+
+def lag_table(lags: dict, steps: int) -> str:
+  """Markdown table of "steps behind plain", one row per method;
+  ``lags``: method -> one ``steps_behind`` list per seed.
+  """
+  at = lag_steps(steps)
+  head = "| method | " + " | ".join(f"at step {t:,}" for t in at) + " |"
+  rows = [
+    "Steps behind plain (see below):",
+    "",
+    head,
+    "|" + " --- |" * (len(at) + 1),
+  ]
+  for method, per_seed in lags.items():
+    cells = []
+    for values in zip(*per_seed):
+      if any(v is None for v in values):
+        cells.append("never")
+      else:
+        cells.append(f"{np.mean(values):.0f}")
+    rows.append(f"| {method} | " + " | ".join(cells) + " |")
+  return "\n".join(rows)
 
 
 def reference_method(methods) -> str:
