@@ -28,8 +28,10 @@ Definitions, printed under every table:
   degrees of freedom: a weak test, so the range rule is the verdict);
 * *steps behind plain*: at each fifth of the run (step t), how many steps
   later than plain the method's smoothed loss first reaches plain's
-  smoothed loss at t (negative: sooner, ahead of plain); "never" if a
-  seed does not reach it within the run; mean over seeds;
+  smoothed loss at t, to a relative 1e-4 (the sanity check's tolerance:
+  ``current`` drifts from plain by rounding); negative: sooner, ahead of
+  plain; "never" if a seed does not reach it within the run; mean over
+  seeds;
 * *dX change* (``--measure-dx``): per immediate layer and step,
   ``|dX_updated - dX_current| / |dX_current|``, the layer's input gradient
   from its new weights against that from its old ones, measured on the
@@ -118,8 +120,9 @@ def lag_steps(steps: int) -> list[int]:
 def steps_behind(losses, reference, steps: int) -> list[int | None]:
   """At each of ``lag_steps(steps)`` (step t): how many steps later than
   the smoothed ``reference`` the smoothed ``losses`` first reach the
-  reference's value at t (negative if sooner; 0 for the same curve, however
-  it wiggles); None if they never do within the run.
+  reference's value at t, to a relative ``SANITY_RTOL`` (negative if
+  sooner; 0 for the same curve, however it wiggles, and for one that
+  differs by rounding); None if they never do within the run.
 
   >>> steps_behind([4.0, 3.0, 2.0, 1.0, 0.5], [3.0, 2.0, 1.0, 0.0, 0.0], 5)
   [1, 1, 1, None, None]
@@ -131,8 +134,9 @@ def steps_behind(losses, reference, steps: int) -> list[int | None]:
     if t > len(ref) or not np.isfinite(ref[t - 1]):
       out.append(None)
       continue
-    first = int(np.argmax(ref <= ref[t - 1]))  # Plain's own first time.
-    reached = np.nonzero(curve <= ref[t - 1])[0]
+    level = ref[t - 1] + SANITY_RTOL * abs(ref[t - 1])
+    first = int(np.argmax(ref <= level))  # Plain's own first time.
+    reached = np.nonzero(curve <= level)[0]
     out.append(int(reached[0]) - first if len(reached) else None)
   return out
 
