@@ -122,6 +122,74 @@ def test_nnx_optimizer_loop_current_equals_plain_and_updated_runs():
   assert int(optimizer.step[...]) == STEPS
 
 
+def _nnx_stateful_run(mode):
+  """The same loop on a model with ``BatchStat`` and dropout's ``nnx.Rngs``
+  state, which the step returns as aux and ``nnx.update`` writes back.
+  """
+  nnx = pytest.importorskip("flax.nnx")
+  import immgrad.flax  # pylint: disable=g-import-not-at-top
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      # No bias before BatchNorm: its gradient would be rounding noise,
+      # which adam's normalisation turns into whole steps.
+      self.l1 = nnx.Linear(5, 16, use_bias=False, rngs=rngs)
+      self.bn = nnx.BatchNorm(16, rngs=rngs)
+      self.drop = nnx.Dropout(0.2, rngs=rngs)
+      self.l2 = nnx.Linear(16, 3, rngs=rngs)
+
+    def __call__(self, x):
+      return self.l2(self.drop(jax.nn.relu(self.bn(self.l1(x)))))
+
+  def loss(model, x, y):
+    return jnp.mean((model(x) - y) ** 2)
+
+  model = Net(nnx.Rngs(0))
+  model.train()
+  tx = optax.adamw(LR) if mode is None else immgrad.shim(optax.adamw(LR))
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  @nnx.jit
+  def train_step(model, optimizer, x, y):
+    if mode is None:
+      value, grads = nnx.value_and_grad(loss)(model, x, y)
+      optimizer.update(model, grads)
+      return value
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss_fn(params, rest, x, y):
+      model = nnx.merge(graphdef, params, rest, copy=True)
+      return loss(model, x, y), nnx.state(model, nnx.Not(nnx.Param))
+
+    step = immgrad.value_and_grad(
+      immgrad.flax.immediate(loss_fn), optimizer.tx, mode=mode, has_aux=True
+    )
+    (value, rest), grads = step(params, optimizer.opt_state, rest, x, y)
+    optimizer.update(model, grads)
+    nnx.update(model, rest)
+    return value
+
+  def arrays(state):
+    is_key = lambda x: jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+    return [
+      jax.random.key_data(x) if is_key(x) else x for x in jax.tree.leaves(state)
+    ]
+
+  history, losses = [], []
+  for x, y in _data():
+    losses.append(train_step(model, optimizer, x, y))
+    history.append(arrays(nnx.state(model)))  # Params, statistics, rngs.
+  return history, losses
+
+
+def test_nnx_optimizer_loop_with_batch_stats_and_dropout():
+  _assert_runs(
+    _nnx_stateful_run("current"),
+    _nnx_stateful_run("updated"),
+    _nnx_stateful_run(None),
+  )
+
+
 # -- Flax Linen: TrainState -------------------------------------------------
 
 
