@@ -63,16 +63,25 @@ def _host(tree):
   return jax.tree.map(np.asarray, tree)
 
 
+def _adam():
+  return optax.adam(1e-3)
+
+
 def candidates_for(
-  loss_fn: Callable, params, batch, methods=METHODS, auto_loss_fn=None
+  loss_fn: Callable,
+  params,
+  batch,
+  methods=METHODS,
+  auto_loss_fn=None,
+  make_opt: Callable = _adam,
 ) -> list[Candidate]:
   """The training step of each method for ``loss_fn(params, *batch)``;
   ``auto_loss_fn``, the same loss through ``immgrad.immediate``, for the
-  methods marked ``(immediate``.
+  methods marked ``(immediate``; ``make_opt()`` the optimizer of each.
   """
   out = []
   for method in methods:
-    opt = optax.adam(1e-3)
+    opt = make_opt()
     if method.startswith("plain"):
       tx = opt if method == "plain" else optax.apply_if_finite(opt, 10)
 
@@ -106,10 +115,10 @@ def _dense(x, p):
 dense = immgrad.immediate_layer(_dense)
 
 
-def mlp(depth: int, width: int, batch: int, *, methods=METHODS):
+def mlp(depth: int, width: int, batch: int, *, methods=METHODS, make_opt=_adam):
   """``depth`` affine layers of ``width``, ReLU between, MSE to a target.
 
-  ``methods`` may include ``"naive"``.
+  ``methods`` may include ``"naive"``; ``make_opt()`` makes the optimizer.
   """
   keys = jax.random.split(jax.random.PRNGKey(0), depth + 2)
   params = {
@@ -143,6 +152,7 @@ def mlp(depth: int, width: int, batch: int, *, methods=METHODS):
     (x, y),
     [m for m in methods if m != "naive"],
     auto_loss_fn,
+    make_opt,
   )
   if "naive" in methods:
     opt = optax.adam(1e-3)

@@ -271,6 +271,56 @@ def test_whole_tree_transformations_are_rejected_by_name(tx, culprit):
     immgrad.shim(tx)
 
 
+_CLIP_FIX = (
+  "Replace optax.clip_by_global_norm(max_norm) with "
+  "immgrad.clip_by_layer_norm(max_norm): it clips each parameter tensor's "
+  "gradient to max_norm by its own norm"
+)
+
+
+@pytest.mark.parametrize(
+  "tx, culprit, fix",
+  [
+    (
+      optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)),
+      "chain: clip_by_global_norm",
+      _CLIP_FIX,
+    ),
+    (
+      optax.MultiSteps(
+        optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)), 2
+      ),
+      "MultiSteps: clip_by_global_norm",
+      _CLIP_FIX,
+    ),
+    (
+      optax.MultiSteps(
+        optax.adam(1e-3), 2, should_skip_update_fn=optax.skip_not_finite
+      ),
+      "MultiSteps",
+      "its should_skip_update_fn reads every gradient. Drop it: "
+      "immgrad.shim's atomic steps (the default) reject a non-finite "
+      "micro-batch whole",
+    ),
+    (
+      optax.apply_if_finite(optax.adam(1e-3), 3),
+      "apply_if_finite",
+      "Drop it: immgrad.shim(tx) (atomic=True, the default) already rejects",
+    ),
+  ],
+  ids=["clip_by_global_norm", "inside_MultiSteps", "skip_fn", "if_finite"],
+)
+def test_whole_tree_refusals_give_the_replacement(tx, culprit, fix):
+  with pytest.raises(ValueError) as info:
+    immgrad.shim(tx)
+  message = str(info.value)
+  assert message.startswith(f"immgrad.shim({culprit}):"), message
+  assert fix in message, message
+  # MultiSteps itself runs (tests/test_library_loops.py): not in the list
+  # of rules that cannot.
+  assert "(clip_by_global_norm, apply_if_finite, a MultiSteps " in message
+
+
 def test_non_float_parameter_is_rejected_by_path():
   tx = immgrad.shim(optax.adam(1e-3))
   with pytest.raises(TypeError, match=r"\['l1'\]\['steps'\].*int32"):

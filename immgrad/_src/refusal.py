@@ -19,9 +19,32 @@ _NOT_SEPARABLE = (
   "immgrad.shim({name}): this transformation does not act on each "
   "parameter separately ({why}). Immediate layers step each layer as soon "
   "as its gradient exists, before the other gradients do, so a rule that "
-  "needs the whole gradient tree (clip_by_global_norm, MultiSteps, "
-  "apply_if_finite, ...) cannot run there. Use a per-parameter rule "
-  "instead, e.g. optax.clip or optax.clip_by_block_rms for clipping."
+  "needs the whole gradient tree (clip_by_global_norm, apply_if_finite, "
+  "a MultiSteps should_skip_update_fn, ...) cannot run there. {fix}"
+)
+_FIXES = {
+  "clip_by_global_norm": (
+    "Replace optax.clip_by_global_norm(max_norm) with "
+    "immgrad.clip_by_layer_norm(max_norm): it clips each parameter "
+    "tensor's gradient to max_norm by its own norm, where the global "
+    "version scales every gradient by the norm of them all."
+  ),
+  "apply_if_finite": (
+    "Drop it: immgrad.shim(tx) (atomic=True, the default) already rejects "
+    "a step with any non-finite gradient whole and counts it in "
+    "state.rejected."
+  ),
+  "MultiSteps": (
+    "MultiSteps itself accumulates per parameter; its "
+    "should_skip_update_fn reads every gradient. Drop it: immgrad.shim's "
+    "atomic steps (the default) reject a non-finite micro-batch whole, "
+    "leaving the accumulated gradients as they were, as "
+    "optax.skip_not_finite does."
+  ),
+}
+_FIX = (
+  "Use a per-parameter rule instead: immgrad.clip_by_layer_norm, "
+  "optax.clip or optax.clip_by_block_rms for clipping."
 )
 
 _GENERIC = ("", "init_empty_state", "with_extra_args_support")
@@ -93,18 +116,19 @@ def _parts(tx: optax.GradientTransformation) -> list:
 
   Only used to name the culprit in an error; ``optax.chain`` keeps its
   parts' init and update functions in two tuples, wrappers keep the inner
-  transformation itself.
+  transformation itself (an optimizer object such as ``optax.MultiSteps``
+  as an attribute).
   """
+  held = _closure(tx.init) + _closure(tx.update)
+  owner = getattr(tx.update, "__self__", None)  # An optimizer object's method.
+  held += list(vars(owner).values()) if hasattr(owner, "__dict__") else []
   found = [
     v
-    for v in _closure(tx.init) + _closure(tx.update)
+    for v in held
     if isinstance(v, optax.GradientTransformation) and v is not tx
   ]
-  tuples = [
-    v
-    for v in _closure(tx.init) + _closure(tx.update)
-    if type(v) is tuple and v and all(map(callable, v))
-  ]  # pylint: disable=unidiomatic-typecheck
+  # Exactly tuples: a NamedTuple state is not a list of functions.
+  tuples = [v for v in held if type(v) is tuple and v and all(map(callable, v))]
   if len(tuples) == 2 and len(tuples[0]) == len(tuples[1]):
     found += [optax.GradientTransformation(i, u) for i, u in zip(*tuples)]
   return found
@@ -129,7 +153,8 @@ def _check_separable(tx: optax.GradientTransformation, params: Any) -> None:
       break
   if culprit != name:
     name = f"{name}: {culprit}"
-  raise ValueError(_NOT_SEPARABLE.format(name=name, why=why))
+  fix = _FIXES.get(culprit, _FIX)
+  raise ValueError(_NOT_SEPARABLE.format(name=name, why=why, fix=fix))
 
 
 def cut(tx: optax.GradientTransformation, params: Any) -> plan_lib.Plan:

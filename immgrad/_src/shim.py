@@ -25,9 +25,9 @@ its peak memory low (``commit.by_select``).
 
 So ``tx`` must act on each parameter on its own. ``plan.py`` follows the
 data flow of ``tx.update``, and ``refusal.py`` refuses a transformation
-that mixes parameters (``clip_by_global_norm``, ``MultiSteps``, ``apply_if_finite``, a
-global estimate kept in the state) with an error naming it, instead of
-letting it silently do something else.
+that mixes parameters (``clip_by_global_norm``, ``apply_if_finite``, a
+global estimate kept in the state) with an error naming it and the fix,
+instead of letting it silently do something else.
 """
 
 from typing import Any
@@ -100,8 +100,12 @@ def shim(
   Args:
     tx: an optax transformation that acts on each parameter separately
       (sgd, momentum, adam, adamw, lion, rmsprop, adafactor, schedules,
-      ``optax.inject_hyperparams``, masks, ``multi_transform``, chains of
-      these: docs/optimizer.md's catalogue lists every optax rule).
+      ``optax.inject_hyperparams``, masks, ``multi_transform``,
+      ``optax.MultiSteps`` for gradient accumulation, chains of these:
+      docs/optimizer.md's catalogue lists every optax rule). An optimizer
+      object with optax's ``init`` and ``update`` methods, such as
+      ``optax.MultiSteps(optax.adam(1e-3), every_k_schedule=4)``, is
+      taken as it is.
     atomic: reject a step with any non-finite value, whole (see above).
 
   Returns:
@@ -109,6 +113,7 @@ def shim(
     ``immgrad.value_and_grad`` too.
 
   Raises:
+    TypeError: if ``tx`` has no ``init`` and ``update``.
     ValueError: if ``tx`` needs the whole gradient tree (here, if a probe
       tree shows it; else at ``init``, on the real params).
 
@@ -123,10 +128,7 @@ def shim(
     >>> optax.apply_updates(params, updates)["w"]
     Array([0.8, 0.8], dtype=float32)
   """
-  if not isinstance(tx, optax.GradientTransformation):
-    raise TypeError(
-      f"immgrad.shim expects an optax.GradientTransformation, got {tx!r}."
-    )
+  tx = _as_transformation(tx)
   refusal.check(tx)
 
   def init_fn(params):
@@ -160,6 +162,22 @@ def shim(
   result._inner = tx  # pylint: disable=protected-access
   result._atomic = atomic  # pylint: disable=protected-access
   return result
+
+
+def _as_transformation(tx: Any) -> optax.GradientTransformation:
+  """``tx``, or an optimizer object with optax's ``init`` and ``update``
+  (``optax.MultiSteps``) as the transformation it is.
+  """
+  if isinstance(tx, optax.GradientTransformation):
+    return tx
+  if callable(getattr(tx, "init", None)) and callable(
+    getattr(tx, "update", None)
+  ):
+    return optax.GradientTransformation(tx.init, tx.update)
+  raise TypeError(
+    "immgrad.shim expects an optax.GradientTransformation (or an optimizer "
+    f"with optax's init and update methods, like optax.MultiSteps), got {tx!r}."
+  )
 
 
 def _value_of(g) -> jax.Array:
@@ -227,11 +245,21 @@ def shim_state_to_optax(state: ShimState) -> Any:
 
 
 def state_leaves(plan: plan_lib.Plan, state: Any) -> list:
-  """The leaves of ``state.inner``, or a clear error if not ``plan``'s."""
+  """The leaves of ``state.inner``, or a clear error if not ``plan``'s.
+
+  Compared leaf by leaf (count, order, shape, dtype), not by tree
+  structure: a library that keeps each leaf of the state in a box of its
+  own (Flax's ``nnx.Optimizer`` wraps each in an ``nnx.OptState``, the
+  params in ``nnx.Param``) hands it in as it holds it.
+  """
   inner = state_of(state)
-  keyed, treedef = jax.tree_util.tree_flatten_with_path(inner)
-  if treedef != plan.state_def:
-    why = f"its tree is {treedef}, where tx.init makes {plan.state_def}"
+  keyed = jax.tree_util.tree_flatten_with_path(inner)[0]
+  if len(keyed) != len(plan.state_avals):
+    why = (
+      f"it has {len(keyed)} leaves ({_kinds(inner)}), where tx.init makes "
+      f"{len(plan.state_avals)} "
+      f"({_kinds(plan.state_def.unflatten(plan.state_avals))})"
+    )
   else:
     why = None
     for (path, leaf), want in zip(keyed, plan.state_avals):
@@ -250,6 +278,13 @@ def state_leaves(plan: plan_lib.Plan, state: Any) -> list:
       "params (same model, same optimizer)?"
     )
   return [leaf for _, leaf in keyed]
+
+
+def _kinds(state: Any) -> str:
+  """The names of the outermost optax states in ``state``, in order."""
+  is_kind = lambda x: isinstance(x, tuple) and hasattr(x, "_fields")
+  kinds = jax.tree.leaves(state, is_leaf=is_kind)
+  return ", ".join(type(k).__name__ for k in kinds if is_kind(k)) or "none"
 
 
 def flatten_like(treedef, tree: Any, what: str) -> list:
