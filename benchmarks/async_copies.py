@@ -10,7 +10,7 @@ body (one iteration)::
 
   python benchmarks/async_copies.py DIR/MODEL/*.hlo.txt
 
-docs/devlog.md, "`updated`'s copies under `hk.layer_stack`".
+docs/devlog.md, "`hk.layer_stack`: optimizer state through loops, and copies".
 """
 
 import collections
