@@ -25,7 +25,7 @@ recorded too. ``--models`` keeps the models whose names contain one of the
 given strings, ``--merge`` adds them to an existing results file,
 ``--profile`` also traces each method with ``jax.profiler`` and records
 the device time of its longest operations, and ``--hlo-dir`` writes each
-step's optimized HLO. See docs/tpu.md.
+step's optimized HLO. See docs/costs.md.
 
 ``--immediate`` instead measures each immgrad method built by
 ``immgrad.immediate`` on the undecorated model against the same method
@@ -207,7 +207,7 @@ def main_accelerator(args, methods=models.METHODS) -> int:
 
 
 def accelerator_table(results) -> str:
-  """docs/tpu.md's table: step times (wall, and the device's own where
+  """The accelerator run's table: step times (wall, and the device's own where
   traced), ratios to plain and to plain + apply_if_finite, HLO counts.
   """
   rows = [

@@ -260,14 +260,15 @@ def hlo_counts(text: str) -> dict[str, int]:
   return {op: counts.get(op, 0) for op in _COUNTED}
 
 
-def device_ops(compiled, state, batch, steps: int, top: int = 400):
+def device_ops(compiled, state, batch, steps: int, top: int = 50):
   """Device time per operation over ``steps`` steps, from a profiler trace.
 
   Returns the times and the state after those steps.
 
   Sums the durations of the events on each device plane's lines (on a TPU
   the line "XLA Ops" holds one event per HLO operation run) and keeps the
-  ``top`` longest operations of each line, in microseconds per step. On a
+  ``top`` longest operations of each line, in microseconds per step, and
+  every operation summed by kind (:func:`by_kind`). On a
   CPU the events are the host threads' (no per-op device time).
   """
   with tempfile.TemporaryDirectory() as folder:

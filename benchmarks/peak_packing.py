@@ -4,13 +4,13 @@ Compile the steps for the chip with XLA's dumps on, then read them::
 
   export XLA_FLAGS=--xla_dump_to=DIR PYTHONPATH=/tmp/libtpu
   python -m benchmarks.compile_tpu --models "24 blocks" --repeats 1 --methods current updated --out /tmp/r.json
-  python benchmarks/tpu_v5e_compiled/peak_packing.py DIR
+  python benchmarks/peak_packing.py DIR
 
 For each compiled ``jit_step`` module, in compilation order: the total
 size of XLA's temporary heap (``memory-usage-report``: where the buffers
 were placed) and the bytes live at the program's peak (``live-range``:
-the values alive at the point where the most bytes are). docs/tpu.md,
-"Peak memory: XLA's packing".
+the values alive at the point where the most bytes are). docs/devlog.md,
+"Peak memory: XLA's heap packing".
 """
 
 import glob

@@ -1,14 +1,14 @@
 """Where the 24-block transformer's compile time goes, compiled for a v5e.
 
 Run as ``benchmarks.compile_tpu`` is (libtpu 0.0.42.1 on PYTHONPATH, no
-chip): ``python benchmarks/tpu_v5e_compiled/where_compile_goes.py``. Each
+chip): ``python benchmarks/where_compile_goes.py``. Each
 method compiles in a subprocess of its own with libtpu's per-pass log on
 (``TPU_VMODULE=hlo_pass_pipeline=2``, which slows compilation a little),
 and reports: tracing, lowering and XLA's compile time; the traced
 program's equation count; and XLA's time in its HLO passes (the sum the
 log gives per pass), the rest being code generation. Three rounds, the
-methods interleaved; medians. docs/tpu.md, "Where the check's compile
-time goes".
+methods interleaved; medians. docs/devlog.md, "Compile time with the
+check".
 """
 
 import collections

@@ -8,9 +8,9 @@ benchmarks.compile_tpu --hlo-dir DIR`` wrote, and prints, for each file,
 the copies and their bytes in the entry computation and in each ``while``
 body (one iteration)::
 
-  python benchmarks/tpu_v5e_compiled/async_copies.py DIR/MODEL/*.hlo.txt
+  python benchmarks/async_copies.py DIR/MODEL/*.hlo.txt
 
-docs/tpu.md, "What `updated (atomic=False)`'s copies move".
+docs/devlog.md, "`hk.layer_stack`: optimizer state through loops, and copies".
 """
 
 import collections
