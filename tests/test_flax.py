@@ -865,6 +865,45 @@ def test_a_wrapped_function_given_no_parameter_is_refused():
     )
 
 
+@pytest.mark.parametrize("modules", ["default", "chosen"])
+@pytest.mark.parametrize("api", ["nnx", "linen"])
+def test_layers_agrees_with_the_step_and_its_modules(api, modules):
+  """immgrad.layers on an immgrad.flax.immediate loss reports what the
+  step does, modules= included (it listed every leaf as immediate): with
+  the dense layer's class only, the LayerNorm's leaves are ordinary,
+  saying why, the dense layer's immediate.
+  """
+  x = jax.random.normal(jax.random.PRNGKey(1), (4, 3))
+  if api == "nnx":
+    model = nnx.Sequential(
+      nnx.LayerNorm(3, rngs=nnx.Rngs(0)), nnx.Linear(3, 2, rngs=nnx.Rngs(1))
+    )
+    graphdef, params = nnx.split(model, nnx.Param)
+    apply = lambda p, x: nnx.merge(graphdef, p)(x)
+    dense, norm = "['layers'][1]", "['layers'][0]"
+    names = ("kernel", "bias"), ("scale", "bias")
+  else:
+    model = nn.Sequential([nn.LayerNorm(), nn.Dense(2)])
+    params = model.init(jax.random.PRNGKey(0), x)["params"]
+    apply = lambda p, x: model.apply({"params": p}, x)
+    dense, norm = "['layers_1']", "['layers_0']"
+    names = ("kernel", "bias"), ("scale", "bias")
+  leaf = "['{}'].value" if api == "nnx" else "['{}']"
+  options = {} if modules == "default" else {"modules": (nnx.Linear, nn.Dense)}
+  loss_fn = lambda p, x: jnp.sum(jnp.sin(apply(p, x)))
+  wrapped = immgrad.flax.immediate(loss_fn, **options)
+  _, grads = _step_of(loss_fn, params, x, **options)
+  table = immgrad.layers(wrapped, params, x)
+  immediate = oracles.layers_agree(table, grads)
+  linear = {dense + leaf.format(n) for n in names[0]}
+  layer_norm = {norm + leaf.format(n) for n in names[1]}
+  if modules == "default":
+    assert immediate == linear | layer_norm
+  else:
+    assert immediate == linear
+    assert all("modules=" in table[path].why for path in layer_norm)
+
+
 # -- what used to be refused, now trained as plain ---------------------------
 
 

@@ -13,7 +13,7 @@ from immgrad._src import auto
 
 _BAD_MODULES = (
   "{adapter}: modules= takes a tuple of {kind} classes, such as "
-  "{example}, got {got!r}. Leave it out to step every parameter of the "
+  "{example}, got {got}. Leave it out to step every parameter of the "
   "model, or add your own classes to the library's: "
   "modules={package}.DEFAULT_MODULES + (MyModule,)."
 )
@@ -41,11 +41,23 @@ def check_modules(
         adapter=adapter,
         kind=kind,
         example=example,
-        got=modules,
+        got=_culprit(modules, base),
         package=adapter.rsplit(".", 1)[0],
       )
     )
   return tuple(modules)
+
+
+def _culprit(modules, base: tuple[type, ...]) -> str:
+  """The wrong part of a ``modules=`` value, briefly (no model repr)."""
+  if isinstance(modules, type):
+    return f"the class {modules.__name__} alone (write ({modules.__name__},))"
+  items = modules if isinstance(modules, (tuple, list)) else [modules]
+  bad = next(
+    (c for c in items if not (isinstance(c, type) and issubclass(c, base))),
+    modules,
+  )
+  return bad.__name__ if isinstance(bad, type) else f"a {type(bad).__name__}"
 
 
 def name(fn) -> str:

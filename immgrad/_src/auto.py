@@ -670,11 +670,16 @@ def immediate(
   @functools.wraps(fun)
   def wrapped(*args, **kwargs):
     step = context.current()
-    if step is None:
-      if surveying() is not None:  # immgrad.layers is asking.
-        surveying().record(fun, argnums, args, kwargs)
+    if step is None and surveying() is None:
       return fun(*args, **kwargs)
     program, plan, leaves, paths = _analyse(fun, argnums, args, kwargs)
+    if step is None:  # immgrad.layers is asking: report; run as traced.
+      surveying().record(plan, leaves, paths)
+      values = [
+        leaves[i] for i, n in enumerate(program.inputs) if n is not None
+      ]
+      outs = _run(program, dataclasses.replace(plan, immediate={}), values)
+      return jax.tree.unflatten(program.out_tree, outs)
     for i in plan.params.values():
       if step.find(leaves[i], "immgrad.immediate") is None:
         raise ValueError(
@@ -823,9 +828,8 @@ class _Survey:
     del user
     return self.index.get(id(leaf))
 
-  def record(self, fun, argnums: int, args: tuple, kwargs: dict) -> None:
+  def record(self, plan: _Plan, leaves: list, paths: list) -> None:
     self.called = True
-    _, plan, leaves, paths = _analyse(fun, argnums, args, kwargs)
     for j in range(len(paths)):
       i = self.index.get(id(leaves[j]))
       if i is not None and i not in self.rows:
