@@ -812,7 +812,8 @@ class _Survey:
 
   Outside a step, an adapter asks it (as it asks a step) which leaves are
   the parameters (``find``), and each :func:`immediate` call records the
-  rows of the leaves it was given. ``mode="current"``'s layers.
+  rows of the leaves it was given: the layers of ``mode="current"`` (at
+  other dX, Haiku's adapter binds each module call as one layer).
   """
 
   dx_at = 0.0
