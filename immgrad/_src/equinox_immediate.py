@@ -78,6 +78,14 @@ def immediate(
     >>> x, y = jnp.ones((4, 3)), jnp.zeros((4, 1))
     >>> params, opt_state, loss = train_step(params, opt_state, x, y)
 
+    Only the linear layers' arrays (a tuple replaces the default, every
+    parameter):
+
+    >>> def linear_loss(params, x, y):
+    ...   model = eqx.combine(params, static)
+    ...   return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+    >>> linear_only = immgrad.equinox.immediate(
+    ...     linear_loss, modules=(eqx.nn.Linear,))
   """
   if not callable(fn):
     raise TypeError(

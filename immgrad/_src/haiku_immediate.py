@@ -143,6 +143,16 @@ def immediate(
     >>> loss, grads = step(params, opt_state, x, y)
     >>> updates, opt_state = tx.update(grads, opt_state, params)
     >>> params = optax.apply_updates(params, updates)
+
+    Haiku's weight-carrying modules and a module of your own only (the
+    default is every parameter; a tuple replaces it):
+
+    >>> class Scale(hk.Module):
+    ...   def __call__(self, x):
+    ...     return x * hk.get_parameter("s", x.shape[-1:], init=jnp.ones)
+    >>> chosen = immgrad.haiku.immediate(
+    ...     lambda x: Scale()(hk.Linear(2)(x)),
+    ...     modules=immgrad.haiku.DEFAULT_MODULES + (Scale,))
   """
   if not callable(fn):
     raise TypeError(
