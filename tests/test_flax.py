@@ -1044,24 +1044,32 @@ def test_linen_module_applied_inside_jax_jit_trains_as_plain(modules):
   assert all(_assert_plain(loss_fn, params, x, modules=modules))
 
 
-@pytest.mark.parametrize("modules", [None, (nnx.Linear,)])
-def test_params_cast_before_merge_train_as_plain(modules):
-  """A cast of the whole params tree before nnx.merge (bfloat16 compute
-  the hand-made way; the module's ``dtype=`` is the usual one): the cast
-  is parameter-only preprocessing of each layer, so the float32 leaves
-  are immediate and the step equals plain JAX's, bitwise.
+@pytest.mark.parametrize("modules", ["default", "chosen"])
+@pytest.mark.parametrize("api", ["nnx", "linen"])
+def test_params_cast_before_merge_train_as_plain(api, modules):
+  """A cast of the whole params tree before nnx.merge or model.apply
+  (bfloat16 compute the hand-made way; the module's ``dtype=`` is the
+  usual one): the cast is parameter-only preprocessing of each layer, so
+  the float32 leaves are immediate (with modules=, the dense layer's) and
+  the step equals plain JAX's, bitwise.
   """
-  graphdef, params = nnx.split(ScaledMLP(nnx.Rngs(0)), nnx.Param)
   x = jax.random.normal(jax.random.PRNGKey(1), (2, 3))
+  if api == "nnx":
+    graphdef, params = nnx.split(ScaledMLP(nnx.Rngs(0)), nnx.Param)
+    apply = lambda p, x: nnx.merge(graphdef, p)(x)
+  else:
+    model = nn.Sequential([nn.Dense(4), nn.LayerNorm()])
+    params = model.init(jax.random.PRNGKey(0), x)["params"]
+    apply = lambda p, x: model.apply({"params": p}, x)
 
   def loss_fn(p, x):
     p = jax.tree.map(lambda a: a.astype(BF16), p)
-    return jnp.sum(jnp.sin(nnx.merge(graphdef, p)(x.astype(BF16)))).astype(F32)
+    return jnp.sum(jnp.sin(apply(p, x.astype(BF16)))).astype(F32)
 
-  stepped = _assert_plain(loss_fn, params, x, modules=modules)
-  assert stepped == (
-    [True] * 4 if modules is None else [True] * 2 + [False] * 2
-  )
+  chosen = {"modules": (nnx.Linear, nn.Dense)} if modules == "chosen" else {}
+  stepped = _assert_plain(loss_fn, params, x, **chosen)
+  # Dense/Linear first, then the LayerNorm's or Scale's two leaves.
+  assert stepped == [True] * 2 + [modules == "default"] * 2
 
 
 def test_profilers_keep_working_through_a_step():
