@@ -1,9 +1,11 @@
 """Haiku integration: immediate modules, and unmodified models made immediate.
 
-* ``immediate(fn, modules=...)``: every call of the chosen Haiku modules
-  (``hk.Linear``, ``hk.ConvND``, ``hk.LayerNorm``, ``hk.RMSNorm``,
-  ``hk.Embed`` by default) inside an unmodified forward function updates
-  its weights immediately inside ``immgrad.value_and_grad``.
+* ``immediate(fn, modules=None)``: every parameter an unmodified forward
+  function reads updates immediately inside ``immgrad.value_and_grad``;
+  ``modules=`` (a tuple of classes) restricts that to those modules'.
+* ``DEFAULT_MODULES``: Haiku's weight-carrying modules (``hk.Linear``,
+  ``hk.ConvND``, ``hk.LayerNorm``, ``hk.RMSNorm``, ``hk.Embed``):
+  ``modules=DEFAULT_MODULES + (MyModule,)`` is those and yours.
 * ``Linear``, ``Conv1D``, ``Conv2D``, ``Conv3D``, ``ConvND``, ``LayerNorm``,
   ``RMSNorm``, ``Embed``: Haiku's modules (thin subclasses, with Haiku's
   constructors, parameter names, shapes, dtypes, initialisers and code)

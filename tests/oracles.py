@@ -235,3 +235,18 @@ def scanned_loss(reverse=False):
     return mse(layer(h, params["head"]), y)
 
   return loss_fn
+
+
+def layers_agree(table, grads) -> set:
+  """``immgrad.layers``' table lists as immediate exactly the leaves the
+  step returned as ``ImmediateGrad`` (by path); returns those paths.
+  """
+  is_grad = lambda g: isinstance(g, immgrad.ImmediateGrad)
+  stepped = {
+    jax.tree_util.keystr(path): is_grad(g)
+    for path, g in jax.tree_util.tree_flatten_with_path(grads, is_leaf=is_grad)[
+      0
+    ]
+  }
+  assert {row.path: row.layer is not None for row in table} == stepped
+  return {path for path, s in stepped.items() if s}

@@ -55,7 +55,7 @@ def _kinds(grads):
   return [type(g).__name__ for g in jax.tree.leaves(grads, is_leaf=_is_grad)]
 
 
-def _grads(loss_fn, params, *batch, modules=immgrad.equinox.DEFAULT_MODULES):
+def _grads(loss_fn, params, *batch, modules=None):
   """The grads of one immediate step (sgd), to see which leaves it stepped."""
   tx = immgrad.shim(optax.sgd(0.1))
   return immgrad.value_and_grad(
@@ -70,7 +70,7 @@ def _runs(
   batches,
   mode="current",
   atomic=True,
-  modules=immgrad.equinox.DEFAULT_MODULES,
+  modules=None,
 ):
   """Plain Equinox training and immgrad's, both under ``eqx.filter_jit``."""
   tx = immgrad.shim(opt, atomic=atomic)
@@ -455,9 +455,8 @@ def test_batch_norm_state_under_vmap_axis_name():
       _kinds(grads),
     )
   )
-  # BatchNorm's own weight and bias are ordinary; the Linears immediate.
-  assert kinds["norm.weight"] != "ImmediateGrad", kinds
-  assert kinds["linear1.weight"] == "ImmediateGrad", kinds
+  # Every parameter immediate by default, BatchNorm's weight too.
+  assert set(kinds.values()) == {"ImmediateGrad"}, kinds
 
 
 # -- mode="updated": the sequential re-linearization -----------------------
@@ -528,8 +527,15 @@ def test_modules_picks_some():
   kinds = _kinds(grads)
   assert kinds[:2] == ["ImmediateGrad"] * 2, kinds  # Linear: weight, bias.
   assert "ImmediateGrad" not in kinds[2:], kinds  # LayerNorm: ordinary.
-  with pytest.raises(TypeError, match="modules= takes eqx.Module classes"):
-    immgrad.equinox.immediate(loss_fn, modules=(jax.nn.relu,))
+  # Anything but a tuple (or list) of eqx.Module classes: a TypeError with
+  # the fix, as in the Haiku and Flax adapters.
+  for bad in [(jax.nn.relu,), eqx.nn.Linear, model]:
+    with pytest.raises(
+      TypeError,
+      match=r"modules= takes a tuple of eqx.Module classes.*"
+      r"immgrad.equinox.DEFAULT_MODULES \+ \(MyModule,\)",
+    ):
+      immgrad.equinox.immediate(loss_fn, modules=bad)
 
 
 def test_parameters_closed_over_are_refused():
@@ -565,13 +571,16 @@ def test_a_layer_in_a_cond_is_refused_by_its_equinox_path():
 @pytest.mark.parametrize(
   "modules,kind",
   [
+    (None, "ImmediateGrad"),
     (immgrad.equinox.DEFAULT_MODULES, "ArrayImpl"),
     ((eqx.nn.ConvTranspose2d,), "ImmediateGrad"),
   ],
-  ids=["default", "chosen"],
+  ids=["default", "library modules", "chosen"],
 )
 def test_conv_transpose_trains_like_plain(modules, kind):
-  """Ordinary by default; immediate when chosen (the program's conv)."""
+  """Immediate by default and when chosen (the program's conv); ordinary
+  with the library's DEFAULT_MODULES, which leave it out.
+  """
   model = eqx.nn.ConvTranspose2d(2, 3, 3, key=_KEYS[0])
   params, static = eqx.partition(model, eqx.is_inexact_array)
   keys = jax.random.split(_KEYS[1], 2)
@@ -702,3 +711,30 @@ def test_equinox_digits_example_learns():
     float(a) for a in re.findall(r"test accuracy ([\d.]+)", done.stdout)
   ]
   assert len(accuracy) == 2 and accuracy[-1] > 0.8, done.stdout
+
+
+@pytest.mark.parametrize("modules", [None, (eqx.nn.Linear,)])
+def test_layers_agrees_with_the_step_and_its_modules(modules):
+  """immgrad.layers on an immgrad.equinox.immediate loss reports what the
+  step does, modules= included: with (eqx.nn.Linear,) the LayerNorm's
+  leaves are ordinary, saying why, the Linear's immediate.
+  """
+  model = eqx.nn.Sequential(
+    [eqx.nn.LayerNorm(3), eqx.nn.Linear(3, 2, key=_KEYS[0])]
+  )
+  params, static = eqx.partition(model, eqx.is_inexact_array)
+
+  def loss_fn(params, x):
+    return jnp.sum(jnp.sin(jax.vmap(eqx.combine(params, static))(x)))
+
+  wrapped = immgrad.equinox.immediate(loss_fn, modules)
+  x = jax.random.normal(_KEYS[1], (4, 3))
+  grads = _grads(loss_fn, params, x, modules=modules)
+  table = immgrad.layers(wrapped, params, x)
+  immediate = oracles.layers_agree(table, grads)
+  linear = {".layers[1].weight", ".layers[1].bias"}
+  if modules is None:
+    assert immediate == linear | {".layers[0].weight", ".layers[0].bias"}
+  else:
+    assert immediate == linear
+    assert "modules=" in table[".layers[0].weight"].why

@@ -444,6 +444,10 @@ def test_deep_transformer_stacked_measures_each_layer(tmp_path):
   assert "blocks/multi_head_attention/query[11]" in dx
   # hk.Embed's input is integer tokens: no dX, so nothing to change.
   assert "linear" in dx and dx.pop("embed") == [0.0] * 3
+  # The position parameter (module "~"), immediate as every parameter is
+  # under immgrad.haiku.immediate's default: added to the activations, it
+  # leaves dX unchanged.
+  assert dx.pop("~") == [0.0] * 3
   for values in dx.values():
     assert len(values) == 3 and all(math.isfinite(v) and v > 0 for v in values)
   first = results["runs"][0]["losses"][0]

@@ -14,6 +14,7 @@ an ulp or two per step (measured: at most 2.4e-7 over 3 steps, models and
 chains alike).
 """
 
+import cProfile
 import os
 import pathlib
 import re
@@ -199,8 +200,7 @@ def test_module_is_flax_bitwise(api, case):
     immgrad.value_and_grad(immgrad.flax.immediate(loss_fn), tx, mode="current")
   )(params, tx.init(params), x)
   got, stepped = _grads(grads)
-  module_leaves = len(jax.tree.leaves(params.get("module", params)))
-  assert sum(stepped) == module_leaves  # Every parameter of the module.
+  assert all(stepped)  # Every parameter, the module's and "pre".
   assert jnp.array_equal(loss, expected_loss)
   for a, b in zip(got, jax.tree.leaves(expected)):
     assert a.dtype == b.dtype and jnp.array_equal(a, b)
@@ -338,9 +338,8 @@ def test_nnx_cnn_current_equals_plain(opt):
   )
   _assert_same_tree(got[0], params0)
   _, stepped = _grads(grads)
-  # conv1, conv2 (kernel, bias), linear (kernel, bias) immediate; bn's
-  # scale and bias ordinary.
-  assert sum(stepped) == 5 and len(stepped) == 7
+  # Every parameter immediate, BatchNorm's scale and bias too.
+  assert all(stepped) and len(stepped) == 7
   # Dropout ran (its rng advanced once per step) and the statistics moved.
   assert int(got[1]["dropout"]["rngs"]["count"][...]) == STEPS
   assert (
@@ -448,7 +447,7 @@ def test_linen_cnn_with_batch_stats_current_equals_plain(opt):
   chex.assert_trees_all_close(got, expected, atol=ATOL, rtol=RTOL)
   _assert_same_tree(got[0], variables["params"])
   _, stepped = _grads(grads)
-  assert sum(stepped) == 9 and len(stepped) == 11  # BatchNorm's 2 ordinary.
+  assert all(stepped) and len(stepped) == 11  # BatchNorm's 2 too.
   assert (
     oracles.max_abs_diff(got[1], {"batch_stats": variables["batch_stats"]})
     > 1e-3
@@ -638,8 +637,7 @@ def test_outside_a_step_the_model_is_flax_and_unpatched():
 
 
 def test_other_threads_see_flax_while_a_step_traces():
-  """The adapter's hooks (Linen's interceptor, the profile hook that sees
-  NNX's merges) are per thread: a step traced on another thread meanwhile,
+  """The adapter's hooks (Linen's interceptor) are per thread: a step traced on another thread meanwhile,
   of a loss not wrapped, is ordinary. (It also pinned the NNX class patch
   being process-wide; there is no class patch any more.)
   """
@@ -696,13 +694,19 @@ def _assert_plain(loss_fn, params, *args, **options):
 # -- modules= ----------------------------------------------------------------
 
 
-def test_modules_takes_flax_module_classes():
-  """Any Flax module class may be chosen (nothing is re-implemented any
-  more; this test refused BatchNorm and ConvTranspose while it was), and
-  anything else is refused with TypeError.
+def test_modules_takes_a_tuple_of_flax_module_classes():
+  """Any Flax module classes, as a tuple or list; anything else (a bare
+  class included) is a TypeError naming modules= and the fix, as in the
+  Haiku and Equinox adapters. By default every parameter is stepped; a
+  tuple restricts to its classes' own parameters.
   """
-  with pytest.raises(TypeError, match="modules= takes nnx.Module or nn"):
-    immgrad.flax.immediate(lambda x: x, modules=(jnp.ndarray,))
+  for bad in [(jnp.ndarray,), nnx.BatchNorm, "Dense"]:
+    with pytest.raises(
+      TypeError,
+      match=r"modules= takes a tuple of nnx.Module or nn.Module classes.*"
+      r"immgrad.flax.DEFAULT_MODULES \+ \(MyModule,\)",
+    ):
+      immgrad.flax.immediate(lambda x: x, modules=bad)
   with pytest.raises(TypeError, match="expects a function"):
     immgrad.flax.immediate(42)
   bn = nnx.BatchNorm(3, rngs=nnx.Rngs(0))
@@ -712,17 +716,68 @@ def test_modules_takes_flax_module_classes():
     jnp.sin(nnx.merge(graphdef, p, stats, copy=True)(x))
   )
   x = jax.random.normal(jax.random.PRNGKey(1), (4, 3))
-  assert _assert_plain(loss_fn, params, x) == [False, False]  # Default.
-  assert _assert_plain(loss_fn, params, x, modules=nnx.BatchNorm) == [
+  assert _assert_plain(loss_fn, params, x) == [True, True]  # Default.
+  default = immgrad.flax.DEFAULT_MODULES
+  assert _assert_plain(loss_fn, params, x, modules=default) == [False] * 2
+  assert _assert_plain(loss_fn, params, x, modules=[nnx.BatchNorm]) == [
     True,
     True,
   ]
 
 
+class Scale(nnx.Module):
+  """A layer of the user's own: x * s + t."""
+
+  def __init__(self, d):
+    self.s = nnx.Param(jnp.linspace(0.5, 1.5, d))
+    self.t = nnx.Param(jnp.linspace(-0.2, 0.3, d))
+
+  def __call__(self, x):
+    return x * self.s + self.t
+
+
+class ScaledMLP(nnx.Module):
+  def __init__(self, rngs):
+    self.linear = nnx.Linear(3, 4, rngs=rngs)
+    self.scale = Scale(4)
+
+  def __call__(self, x):
+    return self.scale(nnx.relu(self.linear(x)))
+
+
+@pytest.mark.parametrize(
+  "modules,stepped",
+  [
+    (None, {"linear": True, "scale": True}),
+    (immgrad.flax.DEFAULT_MODULES, {"linear": True, "scale": False}),
+    (immgrad.flax.DEFAULT_MODULES + (Scale,), {"linear": True, "scale": True}),
+    ((Scale,), {"linear": False, "scale": True}),
+  ],
+)
+def test_custom_nnx_module_is_claimed_by_default(modules, stepped):
+  """A custom module's nnx.Params: immediate by default, as under
+  immgrad.immediate; DEFAULT_MODULES leaves them out; adding the class to
+  the defaults claims them again; a tuple replaces the defaults. Every
+  case trains as plain JAX does (bitwise, one step).
+  """
+  graphdef, params = nnx.split(ScaledMLP(nnx.Rngs(0)), nnx.Param)
+  loss_fn = lambda p, x: jnp.sum(jnp.sin(nnx.merge(graphdef, p)(x)))
+  x = jax.random.normal(jax.random.PRNGKey(1), (2, 3))
+  options = {} if modules is None else {"modules": modules}
+  _, grads = _step_of(loss_fn, params, x, **options)
+  kinds = jax.tree.map(_is_immediate, grads, is_leaf=_is_immediate)
+  kinds = kinds.to_pure_dict()
+  assert kinds == {
+    "linear": {"kernel": stepped["linear"], "bias": stepped["linear"]},
+    "scale": {"s": stepped["scale"], "t": stepped["scale"]},
+  }
+  _assert_plain(loss_fn, params, x, **options)
+
+
 def test_modules_option_chooses_and_others_stay_ordinary():
   loss_fn, params = _linen_mlp(jnp.ones((2, 5)))
   tx = immgrad.shim(optax.sgd(0.1))
-  for modules, count in [((nn.Dense,), 6), ((nnx.Linear,), 0)]:
+  for modules, count in [((nn.Dense,), 6), ((nnx.Linear,), 0), (None, 6)]:
     _, grads = immgrad.value_and_grad(
       immgrad.flax.immediate(loss_fn, modules=modules), tx
     )(params, tx.init(params), jnp.ones((2, 5)), jnp.zeros((2, 3)))
@@ -730,7 +785,9 @@ def test_modules_option_chooses_and_others_stay_ordinary():
 
 
 def test_modules_not_listed_keep_ordinary_gradients():
-  """nn.ConvLocal shares nn.Conv's ``__call__`` but is not an nn.Conv."""
+  """nn.ConvLocal shares nn.Conv's ``__call__`` but is not an nn.Conv:
+  with modules=DEFAULT_MODULES it is ordinary; by default, immediate.
+  """
 
   class Local(nn.Module):
     @nn.compact
@@ -740,12 +797,38 @@ def test_modules_not_listed_keep_ordinary_gradients():
   model, x = Local(), jnp.ones((2, 5, 1))
   params = model.init(jax.random.PRNGKey(0), x)["params"]
   loss_fn = lambda p, x: jnp.sum(model.apply({"params": p}, x) ** 2)
-  _, grads = _step_of(loss_fn, params, x)
+  _, grads = _step_of(loss_fn, params, x, modules=immgrad.flax.DEFAULT_MODULES)
   kinds = jax.tree.map(_is_immediate, grads, is_leaf=_is_immediate)
   assert kinds == {
     "ConvLocal_0": {"kernel": False, "bias": False},
     "Dense_0": {"kernel": True, "bias": True},
   }
+  _, grads = _step_of(loss_fn, params, x)
+  assert all(_grads(grads)[1])
+
+
+def test_nnx_modules_option_needs_the_model():
+  """modules= finds an NNX leaf's module in the model's graph: the
+  graphdef the loss closes over (also through a helper function), or the
+  model among its arguments. Where neither is reachable (here the graphdef
+  sits in a dict), it says so and how to fix it, rather than training the
+  leaves ordinarily.
+  """
+  graphdef, params = nnx.split(ScaledMLP(nnx.Rngs(0)), nnx.Param)
+  x = jax.random.normal(jax.random.PRNGKey(1), (2, 3))
+  apply = lambda p, x: nnx.merge(graphdef, p)(x)
+  through_helper = lambda p, x: jnp.sum(jnp.sin(apply(p, x)))
+  stepped = _assert_plain(through_helper, params, x, modules=(Scale,))
+  assert stepped == [False, False, True, True]  # linear, scale.
+  held = {"graphdef": graphdef}
+  hidden = lambda p, x: jnp.sum(nnx.merge(held["graphdef"], p)(x))
+  with pytest.raises(
+    ValueError,
+    match=r"modules= needs the NNX model .* args\[0\]\['linear'\]"
+    r"\['bias'\].*Close over the graphdef",
+  ):
+    _step_of(hidden, params, x, modules=(Scale,))
+  assert all(_assert_plain(hidden, params, x))  # Default: no lookup.
 
 
 def test_nnx_model_passed_as_a_pytree_is_immediate():
@@ -780,6 +863,45 @@ def test_a_wrapped_function_given_no_parameter_is_refused():
     immgrad.value_and_grad(step_loss, tx)(
       params, tx.init(params), jnp.ones((2, 5)), jnp.zeros((2, 3))
     )
+
+
+@pytest.mark.parametrize("modules", ["default", "chosen"])
+@pytest.mark.parametrize("api", ["nnx", "linen"])
+def test_layers_agrees_with_the_step_and_its_modules(api, modules):
+  """immgrad.layers on an immgrad.flax.immediate loss reports what the
+  step does, modules= included (it listed every leaf as immediate): with
+  the dense layer's class only, the LayerNorm's leaves are ordinary,
+  saying why, the dense layer's immediate.
+  """
+  x = jax.random.normal(jax.random.PRNGKey(1), (4, 3))
+  if api == "nnx":
+    model = nnx.Sequential(
+      nnx.LayerNorm(3, rngs=nnx.Rngs(0)), nnx.Linear(3, 2, rngs=nnx.Rngs(1))
+    )
+    graphdef, params = nnx.split(model, nnx.Param)
+    apply = lambda p, x: nnx.merge(graphdef, p)(x)
+    dense, norm = "['layers'][1]", "['layers'][0]"
+    names = ("kernel", "bias"), ("scale", "bias")
+  else:
+    model = nn.Sequential([nn.LayerNorm(), nn.Dense(2)])
+    params = model.init(jax.random.PRNGKey(0), x)["params"]
+    apply = lambda p, x: model.apply({"params": p}, x)
+    dense, norm = "['layers_1']", "['layers_0']"
+    names = ("kernel", "bias"), ("scale", "bias")
+  leaf = "['{}'].value" if api == "nnx" else "['{}']"
+  options = {} if modules == "default" else {"modules": (nnx.Linear, nn.Dense)}
+  loss_fn = lambda p, x: jnp.sum(jnp.sin(apply(p, x)))
+  wrapped = immgrad.flax.immediate(loss_fn, **options)
+  _, grads = _step_of(loss_fn, params, x, **options)
+  table = immgrad.layers(wrapped, params, x)
+  immediate = oracles.layers_agree(table, grads)
+  linear = {dense + leaf.format(n) for n in names[0]}
+  layer_norm = {norm + leaf.format(n) for n in names[1]}
+  if modules == "default":
+    assert immediate == linear | layer_norm
+  else:
+    assert immediate == linear
+    assert all("modules=" in table[path].why for path in layer_norm)
 
 
 # -- what used to be refused, now trained as plain ---------------------------
@@ -886,48 +1008,90 @@ def test_module_inside_a_transformation_trains_as_plain(transform):
   assert all(_assert_plain(loss_fn, params, x))
 
 
+@pytest.mark.parametrize("modules", [None, (nnx.Linear,)])
 @pytest.mark.parametrize("transform", ["jax.vmap", "jax.jit", "jax.checkpoint"])
-def test_module_merged_inside_a_transformation_is_refused(transform):
+def test_module_merged_inside_a_transformation_trains_as_plain(
+  transform, modules
+):
   """The parameters passed into a JAX transformation and the module merged
   inside it (an ensemble mapped by jax.vmap; a jit or checkpoint taking
-  the params): the module holds the transformation's copies, in which the
-  leaves are not found, so they would silently train ordinarily. Refused,
-  naming the leaf and the way out; the way out (merging outside, the
-  transformation closing over the module) makes the layer immediate.
+  the params): the module holds the transformation's copies, but a leaf's
+  module is found by its path, and immgrad.immediate traces through the
+  transformation, so every leaf is immediate and trains as plain.
   """
   graphdef, params = nnx.split(nnx.Linear(3, 3, rngs=nnx.Rngs(0)), nnx.Param)
   params = _random_like(params, jax.random.PRNGKey(2))
-  wrap = {"jax.vmap": jax.vmap, "jax.jit": jax.jit}.get(
-    transform, jax.checkpoint
-  )
   if transform == "jax.vmap":
     params = jax.tree.map(lambda a: jnp.stack([a, 2 * a]), params)
     apply = jax.vmap(lambda p, x: nnx.merge(graphdef, p)(x), in_axes=(0, None))
   else:
+    wrap = jax.jit if transform == "jax.jit" else jax.checkpoint
     apply = wrap(lambda p, x: nnx.merge(graphdef, p)(x))
-    outside = lambda p, x: wrap(nnx.merge(graphdef, p))(x)
-  x = jnp.ones((2, 3))
   loss_fn = lambda p, x: jnp.sum(jnp.sin(apply(p, x)))
-  with pytest.raises(
-    ValueError, match=r"args\[0\]\['(bias|kernel)'\].*jax.jit"
-  ):
-    _step_of(loss_fn, params, x)
-  if transform != "jax.vmap":  # vmap over a module's weights: see docs.
-    loss_fn = lambda p, x: jnp.sum(jnp.sin(outside(p, x)))
-    assert all(_assert_plain(loss_fn, params, x))
+  assert all(_assert_plain(loss_fn, params, jnp.ones((2, 3)), modules=modules))
 
 
-def test_linen_module_applied_inside_jax_jit_is_refused():
-  """Linen's model.apply inside a jax.jit that takes the params: refused
-  as NNX's merge is (the module's variables are jit's copies).
+@pytest.mark.parametrize("modules", [None, (nn.Dense,)])
+def test_linen_module_applied_inside_jax_jit_trains_as_plain(modules):
+  """Linen's model.apply inside a jax.jit that takes the params: the
+  module's variables are jit's copies, found by their scope path.
   """
   model = nn.Dense(2)
   x = jnp.ones((2, 3))
   params = model.init(jax.random.PRNGKey(0), x)["params"]
   apply = jax.jit(lambda p, x: model.apply({"params": p}, x))
   loss_fn = lambda p, x: jnp.sum(jnp.sin(apply(p, x)))
-  with pytest.raises(ValueError, match=r"copies of its parameters"):
-    _step_of(loss_fn, params, x)
+  assert all(_assert_plain(loss_fn, params, x, modules=modules))
+
+
+@pytest.mark.parametrize("modules", ["default", "chosen"])
+@pytest.mark.parametrize("api", ["nnx", "linen"])
+def test_params_cast_before_merge_train_as_plain(api, modules):
+  """A cast of the whole params tree before nnx.merge or model.apply
+  (bfloat16 compute the hand-made way; the module's ``dtype=`` is the
+  usual one): the cast is parameter-only preprocessing of each layer, so
+  the float32 leaves are immediate (with modules=, the dense layer's) and
+  the step equals plain JAX's, bitwise.
+  """
+  x = jax.random.normal(jax.random.PRNGKey(1), (2, 3))
+  if api == "nnx":
+    graphdef, params = nnx.split(ScaledMLP(nnx.Rngs(0)), nnx.Param)
+    apply = lambda p, x: nnx.merge(graphdef, p)(x)
+  else:
+    model = nn.Sequential([nn.Dense(4), nn.LayerNorm()])
+    params = model.init(jax.random.PRNGKey(0), x)["params"]
+    apply = lambda p, x: model.apply({"params": p}, x)
+
+  def loss_fn(p, x):
+    p = jax.tree.map(lambda a: a.astype(BF16), p)
+    return jnp.sum(jnp.sin(apply(p, x.astype(BF16)))).astype(F32)
+
+  chosen = {"modules": (nnx.Linear, nn.Dense)} if modules == "chosen" else {}
+  stepped = _assert_plain(loss_fn, params, x, **chosen)
+  # Dense/Linear first, then the LayerNorm's or Scale's two leaves.
+  assert stepped == [True] * 2 + [modules == "default"] * 2
+
+
+def test_profilers_keep_working_through_a_step():
+  """The module lookup sets no hook: cProfile runs a step of a loss with
+  modules= (which looks the modules up), and a profile function set before
+  the step is still set after it.
+  """
+  graphdef, params = nnx.split(ScaledMLP(nnx.Rngs(0)), nnx.Param)
+  loss_fn = lambda p, x: jnp.sum(jnp.sin(nnx.merge(graphdef, p)(x)))
+  x = jax.random.normal(jax.random.PRNGKey(1), (2, 3))
+  step = lambda: _step_of(loss_fn, params, x, modules=(nnx.Linear,))
+  _, grads = cProfile.Profile().runcall(step)
+  assert _grads(grads)[1] == [True, True, False, False]
+  calls = []
+  hook = lambda frame, event, arg: calls.append(event)
+  sys.setprofile(hook)
+  try:
+    step()
+    assert sys.getprofile() is hook
+  finally:
+    sys.setprofile(None)
+  assert calls
 
 
 def test_without_flax_import_says_what_to_install():

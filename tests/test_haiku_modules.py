@@ -350,9 +350,16 @@ def test_modules_not_chosen_keep_ordinary_gradients():
   oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
 
 
-@pytest.mark.parametrize("modules", [(object,), ("Linear",)])
+@pytest.mark.parametrize("modules", [(object,), ("Linear",), hk.Linear])
 def test_unsupported_module_choice_is_an_error(modules):
-  with pytest.raises(ValueError, match="cannot make .* immediate: modules="):
+  """A TypeError naming modules= and the fix, as in the Flax and Equinox
+  adapters; a bare class too (one meaning: a tuple of classes).
+  """
+  with pytest.raises(
+    TypeError,
+    match=r"modules= takes a tuple of hk.Module classes.*"
+    r"immgrad.haiku.DEFAULT_MODULES \+ \(MyModule,\)",
+  ):
     immgrad.haiku.immediate(lambda x: x, modules=modules)
 
 

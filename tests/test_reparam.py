@@ -202,12 +202,13 @@ def test_linen_subclass_with_own_call_and_fields_trains_as_plain():
 @needs_flax
 @pytest.mark.parametrize(
   "wrapper,stepped",
-  [("WeightNorm", 4), ("SpectralNorm", 4), ("map_variables", 4)],
+  [("WeightNorm", 5), ("SpectralNorm", 4), ("map_variables", 4)],
 )
 def test_linen_weight_wrappers_train_as_plain(wrapper, stepped):
   """Refused while immgrad re-implemented nn.Dense (it would have read the
   raw kernel); now the wrapper's own code runs. nn.WeightNorm's scale (its
-  own parameter, not nn.Dense's) stays ordinary by default: 4 of 5.
+  own parameter, not nn.Dense's) is preprocessing of the layer, stepped by
+  default like every parameter: 5 of 5.
   """
   wrap = {
     "WeightNorm": lambda: nn.WeightNorm(nn.Dense(4)),
@@ -493,11 +494,13 @@ def _equinox_loss(model, state=None, modules=None):
 @pytest.mark.parametrize(
   "wrapper,chosen,stepped",
   [
-    # Linear's bias; its weight v is read twice (the norm, and v * g with
-    # g an argument like the data, since WeightNorm is not chosen).
-    ("WeightNorm", False, 1),
-    ("WeightNorm", True, 3),  # v and g, preprocessing of one layer; bias.
-    ("SpectralNorm", False, 2),  # The power iteration's u, v: constants.
+    # By default every leaf: v and g, preprocessing of one layer; bias.
+    ("WeightNorm", "default", 3),
+    # DEFAULT_MODULES: Linear's bias; its weight v is read twice (the norm,
+    # and v * g with g an argument like the data, WeightNorm not chosen).
+    ("WeightNorm", "library", 1),
+    ("WeightNorm", "library and mine", 3),  # + (WeightNorm,).
+    ("SpectralNorm", "default", 2),  # The power iteration's u, v: constants.
   ],
 )
 def test_equinox_weight_wrappers_train_as_plain(wrapper, chosen, stepped):
@@ -510,9 +513,11 @@ def test_equinox_weight_wrappers_train_as_plain(wrapper, chosen, stepped):
     model, state = eqx.nn.make_with_state(eqx.nn.SpectralNorm)(
       layer, "weight", key=key
     )
-  modules = None
-  if chosen:
-    modules = immgrad.equinox.DEFAULT_MODULES + (type(model),)
+  modules = {
+    "default": None,
+    "library": immgrad.equinox.DEFAULT_MODULES,
+    "library and mine": immgrad.equinox.DEFAULT_MODULES + (type(model),),
+  }[chosen]
   loss_fn, params = _equinox_loss(model, state, modules)
   assert_trains_as_plain(loss_fn, params, _batches((2, 5)), stepped)
 

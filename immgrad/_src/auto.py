@@ -29,6 +29,7 @@ transformations that keep an inner program, not supported yet.
 import collections
 import dataclasses
 import functools
+import threading
 from typing import Any, Callable, Optional
 
 import jax
@@ -669,9 +670,16 @@ def immediate(
   @functools.wraps(fun)
   def wrapped(*args, **kwargs):
     step = context.current()
-    if step is None:
+    if step is None and surveying() is None:
       return fun(*args, **kwargs)
     program, plan, leaves, paths = _analyse(fun, argnums, args, kwargs)
+    if step is None:  # immgrad.layers is asking: report; run as traced.
+      surveying().record(plan, leaves, paths)
+      values = [
+        leaves[i] for i, n in enumerate(program.inputs) if n is not None
+      ]
+      outs = _run(program, dataclasses.replace(plan, immediate={}), values)
+      return jax.tree.unflatten(program.out_tree, outs)
     for i in plan.params.values():
       if step.find(leaves[i], "immgrad.immediate") is None:
         raise ValueError(
@@ -734,7 +742,10 @@ def layers(fun: Callable[..., Any], params: Any, *args, **kwargs) -> Layers:
 
   Args:
     fun: a function as for :func:`immediate`, or one it returned (then its
-      ``argnums`` places ``params`` among ``args``).
+      ``argnums`` places ``params`` among ``args``), or a function that
+      calls such functions (a loss calling an adapter's ``immediate``:
+      then each leaf is reported as the function it was given to steps
+      it, ``modules=`` included).
     params: the parameter tree.
     *args: ``fun``'s other arguments (arrays or ``jax.ShapeDtypeStruct``).
     **kwargs: its keyword arguments.
@@ -759,31 +770,109 @@ def layers(fun: Callable[..., Any], params: Any, *args, **kwargs) -> Layers:
   """
   fun, argnums = getattr(fun, "immediate_fun", (fun, 0))
   args = args[:argnums] + (params,) + args[argnums:]
-  _, plan, leaves, paths = _analyse(fun, argnums, args, kwargs)
-  rows = []
-  for i, path in enumerate(paths):
-    shape = jax.core.ShapedArray(
-      jnp.shape(leaves[i]), jnp.result_type(leaves[i])
-    ).str_short()
-    node, inner, scanned = plan.immediate.get(i), plan, ""
-    while node is not None and id(node) in inner.scans:  # Per layer.
-      inner = inner.scans[id(node)][1]
-      node, scanned = inner.immediate[i], scanned + " in `scan`"
-    if node is not None:
-      out = node.eqn.outvars[0].aval.str_short()
-      rows.append(
-        Row(
-          path,
-          shape,
-          f"{node.eqn.primitive.name} -> {out}{scanned}",
-          node.where,
-          None,
-        )
-      )
-    elif i in plan.ordinary:
-      rows.append(Row(path, shape, None, None, plan.ordinary[i]))
-    else:
-      rows.append(
-        Row(path, shape, None, None, "not floating point: no gradient")
-      )
+  leaves, treedef, paths = _flatten(args, kwargs, argnums, _name(fun))
+  rows = _surveyed(fun, argnums, leaves, treedef, paths)
+  if rows is None:  # fun calls no immediate function: it is one.
+    _, plan, leaves, paths = _analyse(fun, argnums, args, kwargs)
+    rows = [_row(plan, i, path, leaves[i]) for i, path in enumerate(paths)]
   return Layers(rows)
+
+
+def _row(plan: _Plan, i: int, path: str, leaf) -> Row:
+  """Leaf ``i`` of ``plan``'s parameters, shown as ``path``."""
+  shape = jax.core.ShapedArray(jnp.shape(leaf), jnp.result_type(leaf))
+  shape = shape.str_short()
+  node, inner, scanned = plan.immediate.get(i), plan, ""
+  while node is not None and id(node) in inner.scans:  # Per layer.
+    inner = inner.scans[id(node)][1]
+    node, scanned = inner.immediate[i], scanned + " in `scan`"
+  if node is not None:
+    out = node.eqn.outvars[0].aval.str_short()
+    layer = f"{node.eqn.primitive.name} -> {out}{scanned}"
+    return Row(path, shape, layer, node.where, None)
+  return Row(path, shape, None, None, plan.ordinary.get(i, _NOT_FLOAT))
+
+
+_NOT_FLOAT = "not floating point: no gradient"
+_NOT_GIVEN = (
+  "not among the parameters of the immediate functions `fun` calls: the "
+  "adapter's `modules=` does not choose its module, or it is used outside "
+  "the wrapped function"
+)
+_survey = threading.local()
+
+
+def surveying() -> Optional["_Survey"]:
+  """The :func:`layers` survey under way on this thread, or None."""
+  return getattr(_survey, "current", None)
+
+
+class _Survey:
+  """What :func:`layers` learns from the immediate functions ``fun`` calls.
+
+  Outside a step, an adapter asks it (as it asks a step) which leaves are
+  the parameters (``find``), and each :func:`immediate` call records the
+  rows of the leaves it was given: the layers of ``mode="current"`` (at
+  other dX, Haiku's adapter binds each module call as one layer).
+  """
+
+  dx_at = 0.0
+  measure_dx = False
+
+  def __init__(self, index: dict):
+    self.index = index  # id(traced parameter leaf) -> its row.
+    self.rows = {}
+    self.called = False  # Whether an immediate function ran.
+    self._outer = None
+
+  def find(self, leaf, user: str):
+    del user
+    return self.index.get(id(leaf))
+
+  def record(self, plan: _Plan, leaves: list, paths: list) -> None:
+    self.called = True
+    for j in range(len(paths)):
+      i = self.index.get(id(leaves[j]))
+      if i is not None and i not in self.rows:
+        self.rows[i] = _row(plan, j, "", leaves[j])
+
+  def __enter__(self):
+    self._outer, _survey.current = surveying(), self
+    return self
+
+  def __exit__(self, *exc):
+    _survey.current = self._outer
+
+
+def _surveyed(fun, argnums, leaves, treedef, paths) -> list | None:
+  """The rows of ``fun``'s parameters, from the immediate functions it
+  calls (traced abstractly), or None if it calls none.
+  """
+  dynamic = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
+  rows, called = {}, []
+
+  def probe(*values):
+    full = list(leaves)
+    for i, v in zip(dynamic, values):
+      full[i] = v
+    index = {id(full[i]): i for i in dynamic if i < len(paths)}
+    params, others, kwargs = treedef.unflatten(full)
+    with _Survey(index) as survey:
+      fun(*others[:argnums], params, *others[argnums:], **kwargs)
+    rows.update(survey.rows)
+    called.append(survey.called)
+
+  jax.eval_shape(probe, *[leaves[i] for i in dynamic])
+  if not any(called):
+    return None
+  out = []
+  for i, path in enumerate(paths):
+    if i in rows:
+      out.append(dataclasses.replace(rows[i], path=path))
+    else:
+      shape = jax.core.ShapedArray(
+        jnp.shape(leaves[i]), jnp.result_type(leaves[i])
+      ).str_short()
+      why = _NOT_GIVEN if _is_float(leaves[i]) else _NOT_FLOAT
+      out.append(Row(path, shape, None, None, why))
+  return out

@@ -1,18 +1,11 @@
 """``immgrad.equinox.immediate``: unmodified Equinox models, immediate.
 
-``immediate(fn, modules)`` is :func:`immgrad.immediate` (``auto.py``) with
-one piece of Equinox knowledge: which parameter leaves it may step. Inside
-``immgrad.value_and_grad`` it finds, among all of ``fn``'s arguments, the
-parameter leaves of the step whose innermost ``eqx.Module`` is one of
-``modules`` (by default ``eqx.nn.Linear``, ``eqx.nn.Conv*``,
-``eqx.nn.LayerNorm``, ``eqx.nn.RMSNorm``, ``eqx.nn.Embedding``, so
-``self.weight`` of each, inside ``eqx.nn.MLP`` or
-``eqx.nn.MultiheadAttention`` too), and hands those to
-:func:`immgrad.immediate` as the parameter tree. Every other leaf is an
-argument like the data: it keeps an ordinary gradient, which the shim
-applies. Equinox's own ``__call__`` runs unchanged; the program it traces
-says where the layers are, so subclasses, wrappers that compute the weight
-(``eqx.nn.WeightNorm``) and vmapped or scanned weights need nothing here.
+:func:`immgrad.immediate` over the step's parameter leaves among ``fn``'s
+arguments, as the params tree: by default every one ("any model", as
+``immgrad.immediate`` itself; what still trains ordinarily, a tied weight
+or an L2 term, is reported by the core). ``modules=`` restricts that to the
+leaves whose innermost ``eqx.Module`` (found by walking the pytree) is one
+of those classes; every other leaf then goes in as the data does.
 """
 
 import functools
@@ -21,6 +14,7 @@ from typing import Any, Callable, Sequence
 import equinox as eqx
 import jax
 
+from immgrad._src import adapters
 from immgrad._src import auto
 from immgrad._src import context
 
@@ -41,9 +35,9 @@ DEFAULT_MODULES = (
 
 
 def immediate(
-  fn: Callable[..., Any], modules: Sequence[type] = DEFAULT_MODULES
+  fn: Callable[..., Any], modules: Sequence[type] | None = None
 ) -> Callable[..., Any]:
-  """Makes the weights of the chosen Equinox modules in ``fn`` immediate.
+  """Makes the parameters of the Equinox model in ``fn`` immediate.
 
   Args:
     fn: a function that calls an Equinox model, with its parameters among
@@ -51,15 +45,17 @@ def immediate(
       given to ``immgrad.value_and_grad``. The model is per-example and
       called under ``jax.vmap`` (or ``eqx.filter_vmap``) inside ``fn``, as
       usual; call ``fn`` itself at the top level of the loss.
-    modules: the ``eqx.Module`` classes (subclasses included) whose own
-      arrays are stepped in the backward pass, where the traced program
-      allows it (see :func:`immgrad.layers`). Default: ``eqx.nn.Linear``,
-      ``eqx.nn.Conv`` (``Conv1d``/``2d``/``3d``), ``eqx.nn.LayerNorm``,
-      ``eqx.nn.RMSNorm``, ``eqx.nn.Embedding``. ``(eqx.Module,)`` chooses
-      every module's arrays.
+    modules: None (the default): every parameter leaf among ``fn``'s
+      arguments, as :func:`immgrad.immediate` takes them; what still
+      trains ordinarily (a tied weight, an L2 term) is reported. A tuple of
+      ``eqx.Module`` classes (subclasses included): only the arrays those
+      modules hold themselves; it replaces the default, so
+      ``DEFAULT_MODULES + (MyModule,)`` is Equinox's weight-carrying
+      modules (``eqx.nn.Linear``, ``eqx.nn.Conv``, ``eqx.nn.LayerNorm``,
+      ``eqx.nn.RMSNorm``, ``eqx.nn.Embedding``) and yours.
 
   Returns:
-    ``fn``, with those weights updated during the backward pass inside
+    ``fn``, with those parameters updated during the backward pass inside
     ``immgrad.value_and_grad``. Outside it, ``fn`` itself.
 
   Example:
@@ -81,61 +77,39 @@ def immediate(
     ...   return optax.apply_updates(params, updates), opt_state, loss
     >>> x, y = jnp.ones((4, 3)), jnp.zeros((4, 1))
     >>> params, opt_state, loss = train_step(params, opt_state, x, y)
+
+    Only the linear layers' arrays (a tuple replaces the default, every
+    parameter):
+
+    >>> def linear_loss(params, x, y):
+    ...   model = eqx.combine(params, static)
+    ...   return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+    >>> linear_only = immgrad.equinox.immediate(
+    ...     linear_loss, modules=(eqx.nn.Linear,))
   """
   if not callable(fn):
     raise TypeError(
       f"immgrad.equinox.immediate expects a function, got {fn!r}."
     )
-  chosen = _check_modules(modules)
+  chosen = adapters.check_modules(
+    modules, (eqx.Module,), _NAME, "eqx.Module", "(eqx.nn.Linear,)"
+  )
 
   @functools.wraps(fn)
   def wrapped(*args, **kwargs):
-    step = context.current()
+    step = context.current() or auto.surveying()
     if step is None:
       return fn(*args, **kwargs)
     keyed, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
     found = [step.find(leaf, _NAME) is not None for _, leaf in keyed]
     if not any(found):
-      raise ValueError(_NO_PARAMETERS.format(fn=_name(fn)))
-    owned = _owned(chosen, (args, kwargs))
-    # Named by their place in fn's arguments, for immgrad.immediate's errors.
-    names = [
-      _place(path) if f and o else None
-      for (path, _), f, o in zip(keyed, found, owned)
-    ]
-    params = {n: leaf for n, (_, leaf) in zip(names, keyed) if n}
-    others = [leaf for n, (_, leaf) in zip(names, keyed) if not n]
-
-    def call(params, others):
-      others = iter(others)
-      full = [params[n] if n else next(others) for n in names]
-      args, kwargs = treedef.unflatten(full)
-      return fn(*args, **kwargs)
-
-    return auto.immediate(call)(params, others)
+      raise ValueError(_NO_PARAMETERS.format(fn=adapters.name(fn)))
+    if chosen is not None:
+      owned = _owned(chosen, (args, kwargs))
+      found = [f and o for f, o in zip(found, owned)]
+    return adapters.step_chosen(fn, keyed, treedef, found)
 
   return wrapped
-
-
-def _place(path) -> str:
-  """``args[0].layers[1].weight``: where a leaf is among fn's arguments."""
-  return ("args", "kwargs")[path[0].idx] + jax.tree_util.keystr(path[1:])
-
-
-def _name(fn) -> str:
-  return getattr(fn, "__qualname__", repr(fn))
-
-
-def _check_modules(modules) -> tuple[type, ...]:
-  if isinstance(modules, type):
-    modules = (modules,)
-  for cls in modules:
-    if not (isinstance(cls, type) and issubclass(cls, eqx.Module)):
-      raise TypeError(
-        "immgrad.equinox.immediate: modules= takes eqx.Module classes "
-        f"(such as eqx.nn.Linear, or eqx.Module for all), got {cls!r}."
-      )
-  return tuple(modules)
 
 
 def _owned(chosen: tuple[type, ...], tree: Any) -> list[bool]:

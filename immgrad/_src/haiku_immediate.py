@@ -1,18 +1,15 @@
 """``immgrad.haiku``: unmodified Haiku models, immediate.
 
-``immediate(fn, modules)`` is :func:`immgrad.immediate` (``auto.py``) with
-one piece of Haiku knowledge: which parameter leaves it may step. Inside
-``immgrad.value_and_grad`` (at apply time, inside ``hk.transform``) it
-takes the transform's params (``hk.get_params``: the very arrays the step
-handed in), finds each leaf's module with a first, abstract run of ``fn``
+``immediate(fn, modules)`` is :func:`immgrad.immediate` (``auto.py``) over
+the transform's params (``hk.get_params``: the very arrays the step handed
+in) that ``fn`` reads, found with a first, abstract run of ``fn``
 (``jax.eval_shape``, trace time only) under an ``hk.custom_getter``, which
-sees the module that reads each parameter (``GetterContext.module``), and
-hands the leaves of the chosen modules (by default ``hk.Linear``,
-``hk.ConvND``, ``hk.LayerNorm``, ``hk.RMSNorm``, ``hk.Embed`` and their
-subclasses, inside ``hk.nets.MLP``, attention or ResNet blocks too) to
-:func:`immgrad.immediate` as the parameter tree. Every other leaf is an
-argument like the data: it keeps an ordinary gradient, which the shim
-applies. Haiku's own code runs unchanged.
+sees the module that reads each parameter (``GetterContext.module``). By
+default every one ("any model", as ``immgrad.immediate`` itself; what still
+trains ordinarily, a tied weight or an L2 term, is reported by the core);
+``modules=`` restricts that to the parameters those classes' modules read.
+Every other leaf is an argument like the data: it keeps an ordinary
+gradient, which the shim applies. Haiku's own code runs unchanged.
 
 Two things make a Haiku function a JAX function of its parameters:
 
@@ -23,7 +20,8 @@ Two things make a Haiku function a JAX function of its parameters:
   ``hk.next_rng_key`` work as in plain Haiku.
 * unless dX is taken at the old weights (``mode="current"``, where every
   primitive is its own layer and the backward pass is plain Haiku's), each
-  call of a chosen module is one unit: ``hk.intercept_methods`` traces it
+  call of a chosen module (by default one of ``DEFAULT_MODULES``) is one
+  unit: ``hk.intercept_methods`` traces it
   to a jaxpr whose inputs are the module's own parameters, state and
   arguments, bound as one ``custom_vjp`` whose rule is the jaxpr's own
   ``jax.vjp``. ``immgrad.immediate`` takes such a call for one layer, so a
@@ -53,18 +51,21 @@ import jax
 from jax.extend import core as jex_core
 import jax.numpy as jnp
 
+from immgrad._src import adapters
 from immgrad._src import auto
 from immgrad._src import context
 
 _NAME = "immgrad.haiku.immediate"
 
 _COPY = (
-  "immgrad.haiku.immediate: parameter {path!r} reaches a chosen module as "
-  "a copy made by a transformation between the step and the module "
-  "(hk.layer_stack, hk.scan, hk.vmap, jax.jit, ... around an "
-  "immgrad.haiku module), so it would train ordinarily unnoticed. Wrap "
-  "the function that holds the transformation in immgrad.haiku.immediate "
-  "(or use immgrad.haiku.layer_stack)."
+  "immgrad.haiku.immediate: parameter {path!r} reaches {fn} as a value "
+  "computed from the step's parameter, not the parameter itself, so it "
+  "would train ordinarily unnoticed: params cast before `apply` (compute "
+  "in bfloat16 with immediate(compute_dtype=...) or hk.mixed_precision "
+  "instead), or a transformation between the step and {fn} "
+  "(hk.layer_stack, hk.scan, hk.vmap, jax.jit, ... around an immgrad.haiku "
+  "module: wrap the function that holds it in immgrad.haiku.immediate, or "
+  "use immgrad.haiku.layer_stack)."
 )
 
 DEFAULT_MODULES = (hk.Linear, hk.ConvND, hk.LayerNorm, hk.RMSNorm, hk.Embed)
@@ -93,24 +94,28 @@ def _running():
 
 def immediate(
   fn: Callable[..., Any],
-  modules: Sequence[type] = DEFAULT_MODULES,
+  modules: Sequence[type] | None = None,
   *,
   compute_dtype: Any | None = None,
 ) -> Callable[..., Any]:
-  """Makes the weights of the chosen Haiku modules in ``fn`` immediate.
+  """Makes the parameters of the Haiku model in ``fn`` immediate.
 
   Args:
     fn: a Haiku forward function, to be passed to ``hk.transform`` or
       ``hk.transform_with_state`` as usual.
-    modules: the ``hk.Module`` classes (subclasses included) whose own
-      parameters are stepped in the backward pass, where the traced
-      program allows it (see :func:`immgrad.layers`). Default:
-      ``hk.Linear``, ``hk.ConvND`` (``Conv1D``/``2D``/``3D``),
-      ``hk.LayerNorm``, ``hk.RMSNorm``, ``hk.Embed``. ``(hk.Module,)``
-      chooses every module's parameters. The modules of ``immgrad.haiku``
-      are always chosen.
+    modules: None (the default): every parameter ``fn`` reads, as
+      :func:`immgrad.immediate` takes them; what still trains ordinarily
+      (a tied weight, an L2 term) is reported. A tuple of ``hk.Module``
+      classes (subclasses included): only the parameters those modules
+      read; it replaces the default, so ``DEFAULT_MODULES + (MyModule,)``
+      is Haiku's weight-carrying modules (``hk.Linear``, ``hk.ConvND``,
+      ``hk.LayerNorm``, ``hk.RMSNorm``, ``hk.Embed``) and yours. The
+      modules of ``immgrad.haiku`` are always chosen. With dX at other
+      weights than the old ones, each call of a chosen module (by
+      default, of ``DEFAULT_MODULES``) is one layer.
     compute_dtype: mixed precision (e.g. ``jnp.bfloat16``): the chosen
-      ``hk.Linear``, ``hk.ConvND`` and ``hk.Embed`` cast their floating
+      (by default ``DEFAULT_MODULES``') ``hk.Linear``, ``hk.ConvND`` and
+      ``hk.Embed`` cast their floating
       inputs and weights to it and return it; the weights and their
       updates stay float32. Normalisations compute in their inputs' dtype.
       It applies outside ``immgrad.value_and_grad`` too, so plain training
@@ -138,38 +143,62 @@ def immediate(
     >>> loss, grads = step(params, opt_state, x, y)
     >>> updates, opt_state = tx.update(grads, opt_state, params)
     >>> params = optax.apply_updates(params, updates)
+
+    Haiku's weight-carrying modules and a module of your own only (the
+    default is every parameter; a tuple replaces it):
+
+    >>> class Scale(hk.Module):
+    ...   def __call__(self, x):
+    ...     return x * hk.get_parameter("s", x.shape[-1:], init=jnp.ones)
+    >>> chosen = immgrad.haiku.immediate(
+    ...     lambda x: Scale()(hk.Linear(2)(x)),
+    ...     modules=immgrad.haiku.DEFAULT_MODULES + (Scale,))
   """
   if not callable(fn):
     raise TypeError(
       f"immgrad.haiku.immediate expects a Haiku forward function, got {fn!r}."
     )
-  chosen = _check_modules(modules) + IMMEDIATE_CLASSES
+  chosen = adapters.check_modules(
+    modules, (hk.Module,), _NAME, "hk.Module", "(hk.Linear, hk.Conv2D)"
+  )
+  units = (DEFAULT_MODULES if chosen is None else chosen) + IMMEDIATE_CLASSES
+  if chosen is not None:
+    chosen += IMMEDIATE_CLASSES
 
   @functools.wraps(fn)
   def wrapped(*args, **kwargs):
-    with _casting(chosen, compute_dtype):
-      if context.current() is None or _active() or hk.running_init():
+    with _casting(units, compute_dtype):
+      step = context.current() or auto.surveying()
+      if step is None or _active() or hk.running_init():
         return fn(*args, **kwargs)
-      return _step(fn, chosen, args, kwargs)
+      return _step(fn, step, chosen, units, args, kwargs)
 
   return wrapped
 
 
-def _step(fn, chosen: tuple[type, ...], args, kwargs):
-  """``fn(*args, **kwargs)`` through ``immgrad.immediate``, in a step."""
-  step = context.current()
+def _step(fn, step, chosen: tuple[type, ...] | None, units, args, kwargs):
+  """``fn(*args, **kwargs)`` through ``immgrad.immediate``, in a step.
+
+  ``chosen``: the classes whose modules' parameters are stepped (None:
+  every parameter ``fn`` reads); ``units``: those whose calls are one
+  layer each when dX is taken at other weights than the old ones.
+  """
   params = hk.get_params()
   outer = hk_stateful.internal_state(params=False)
   owners = _owners(fn, params, outer, args, kwargs)
   mine, others = {}, {}
   for bundle, leaves in params.items():
     for name, leaf in leaves.items():
-      owner = _owner(owners, bundle, name)
-      stepped = owner is not None and issubclass(owner, chosen)
+      read, owner = _owner(owners, bundle, name)
+      stepped = read and (
+        chosen is None or (owner is not None and issubclass(owner, chosen))
+      )
       if stepped and step.find(leaf, _NAME) is not None:
         mine.setdefault(bundle, {})[name] = leaf
       elif stepped and isinstance(leaf, jax.core.Tracer):
-        raise ValueError(_COPY.format(path=f"{bundle}/{name}"))
+        raise ValueError(
+          _COPY.format(path=f"{bundle}/{name}", fn=adapters.name(fn))
+        )
       else:
         others.setdefault(bundle, {})[name] = leaf
 
@@ -178,8 +207,8 @@ def _step(fn, chosen: tuple[type, ...], args, kwargs):
   # own layer, so the backward pass is plain's, operation for operation:
   # a unit would sum the cotangents of its input's uses inside itself,
   # a different float association (bfloat16 models round it apart).
-  units = step.dx_at != 0 or step.measure_dx
-  intercept = functools.partial(_unit, chosen) if units else _through
+  whole = step.dx_at != 0 or step.measure_dx
+  intercept = functools.partial(_unit, units) if whole else _through
 
   def call(mine, others, state, rng, args, kwargs):
     full = {b: {**others.get(b, {}), **mine.get(b, {})} for b in params}
@@ -231,8 +260,9 @@ def _owners(fn, params, outer, args, kwargs) -> dict:
   return owners
 
 
-def _owner(owners: dict, bundle: str, name: str) -> type | None:
-  """The class of the module reading ``bundle/name``, or None.
+def _owner(owners: dict, bundle: str, name: str) -> tuple[bool, type | None]:
+  """Whether ``fn`` reads ``bundle/name``; the class of the module that
+  does (None: read outside any module).
 
   A transform inside ``fn`` (``hk.layer_stack``'s per-layer
   ``hk.transform``) reads its parameters under names relative to the
@@ -240,9 +270,9 @@ def _owner(owners: dict, bundle: str, name: str) -> type | None:
   linear``. Those match the end of the outer name.
   """
   if (bundle, name) in owners:
-    return owners[bundle, name]
+    return True, owners[bundle, name]
   inner = [b for b, n in owners if n == name and bundle.endswith("/" + b)]
-  return owners[max(inner, key=len), name] if inner else None
+  return (True, owners[max(inner, key=len), name]) if inner else (False, None)
 
 
 def _is_array(x) -> bool:
@@ -353,18 +383,6 @@ def _casting(chosen: tuple[type, ...], compute_dtype):
 
   with hk.intercept_methods(interceptor):
     yield
-
-
-def _check_modules(modules) -> tuple[type, ...]:
-  if isinstance(modules, type):
-    modules = (modules,)
-  for cls in modules:
-    if not (isinstance(cls, type) and issubclass(cls, hk.Module)):
-      raise ValueError(
-        f"immgrad.haiku.immediate: cannot make {cls!r} immediate: modules= "
-        "takes hk.Module classes (such as hk.Linear, or hk.Module for all)."
-      )
-  return tuple(modules)
 
 
 def layer_stack(num_layers: int, **kwargs) -> Callable[[Callable], Callable]:
