@@ -75,7 +75,7 @@ def test_regulariser_on_immediate_weight_is_an_error():
     return jnp.mean((out - y) ** 2) + 1e-3 * jnp.sum(params["l1"]["w"] ** 2)
 
   tx, step = tiny.train_step(loss_fn)
-  with pytest.raises(ValueError, match="also by an ordinary operation"):
+  with pytest.raises(ValueError, match="and also used outside it"):
     step(tiny.params(), tx.init(tiny.params()), *tiny.data())
 
 

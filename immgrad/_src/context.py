@@ -30,14 +30,19 @@ from immgrad._src import callsite
 from immgrad._src.compat import get_opaque_trace_state
 
 _NOT_A_PARAMETER = (
-  "immediate layer {layer!r} got params{where} that is not a parameter "
-  "leaf given to immgrad.value_and_grad but a value computed from one (a "
-  "cast, slice or reparametrisation such as weight standardisation, or a "
-  "copy made by a transformation). Its step would be applied through that "
-  "computation. Pass the parameter itself (a cast belongs inside the "
-  "layer: immediate_layer(compute_dtype=...)), or leave the layer's module "
-  "out of `modules=` so that it trains ordinarily."
+  "immediate layer {layer!r} got params{where} ({shape}), which is not a "
+  "parameter leaf given to immgrad.value_and_grad but a value computed "
+  "from one{hint}. The layer steps the leaves it is given, so its step "
+  "would be applied through that computation. A tied parameter (an "
+  "embedding transposed for the logits) cannot be immediate: give each use "
+  "its own parameter, or use it only in undecorated code (the plain "
+  "function, not the immediate_layer) so that it trains ordinarily. For a "
+  "cast, pass the parameter and use immediate_layer(compute_dtype=...); "
+  "compute any other weights (a transpose, a slice, weight "
+  "standardisation) inside the decorated function; for a copy made by "
+  "jax.checkpoint, use immgrad.checkpoint."
 )
+_TRANSPOSED = ": it has the shape of parameter {path} transposed"
 
 _NESTED = (
   "immediate layer {layer!r} was called on parameter {path} inside a "
@@ -83,10 +88,13 @@ _NESTED_FIX["lax.switch"] = _NESTED_FIX["lax.cond"]
 
 _TWICE = (
   "parameter {path} reaches two immediate layer calls ({first!r} and "
-  "{second!r}) in one step, as tied weights do. One update cannot honour "
-  "both parts of its gradient. Give each call its own parameter, or let "
-  "the shared one train ordinarily: leave its module out of `modules=` "
-  "(adapters), or do not decorate one of the calls."
+  "{second!r}) in one step: it is tied (such as an embedding reused for "
+  "the logits). One layer's step would miss the other use's part of the "
+  "gradient, so a tied parameter cannot be immediate. Give each use its "
+  "own parameter, or use it only in undecorated code (the plain function "
+  "in every place, not the immediate_layer) so that it trains ordinarily; "
+  "immgrad.immediate finds the layers and keeps tied parameters ordinary "
+  "by itself."
 )
 
 
@@ -250,8 +258,7 @@ class Step:
     for keypath, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
       slot = self.find(leaf, layer)
       if slot is None:
-        where = jax.tree_util.keystr(keypath)
-        raise ValueError(_NOT_A_PARAMETER.format(layer=layer, where=where))
+        raise self._not_a_parameter(layer, keypath, leaf)
       if slot in found:
         raise ValueError(
           _TWICE.format(path=slot.path, first=layer, second=layer)
@@ -260,6 +267,24 @@ class Step:
     for slot in found:
       slot.claim(layer)
     return found
+
+  def _not_a_parameter(self, layer: str, keypath, leaf) -> ValueError:
+    """The error for a layer given a value computed from a parameter."""
+    shape = jax.core.ShapedArray(jnp.shape(leaf), jnp.result_type(leaf))
+    transposed = [
+      jax.tree_util.keystr(path)
+      for path, p in jax.tree_util.tree_flatten_with_path(self.params)[0]
+      if len(p.shape) > 1 and p.shape == shape.shape[::-1] != p.shape[::-1]
+    ]
+    hint = _TRANSPOSED.format(path=transposed[0]) if transposed else ""
+    return ValueError(
+      _NOT_A_PARAMETER.format(
+        layer=layer,
+        where=jax.tree_util.keystr(keypath),
+        shape=shape.str_short(),
+        hint=hint,
+      )
+    )
 
 
 def watched(leaf: jax.Array, on_use: Callable[[], None]) -> jax.Array:
