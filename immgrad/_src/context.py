@@ -30,19 +30,16 @@ from immgrad._src import callsite
 from immgrad._src.compat import get_opaque_trace_state
 
 _NOT_A_PARAMETER = (
-  "immediate layer {layer!r} got params{where} ({shape}), which is not a "
-  "parameter leaf given to immgrad.value_and_grad but a value computed "
-  "from one{hint}. The layer steps the leaves it is given, so its step "
-  "would be applied through that computation. A tied parameter (an "
+  "immediate layer {layer!r} got params{where} ({shape}), not a parameter "
+  "leaf of the step but a value computed from one{hint}: its step would go "
+  "through that computation. A tied weight (an "
   "embedding transposed for the logits) cannot be immediate: give each use "
-  "its own parameter, or use it only in undecorated code (the plain "
-  "function, not the immediate_layer) so that it trains ordinarily. For a "
-  "cast, pass the parameter and use immediate_layer(compute_dtype=...); "
-  "compute any other weights (a transpose, a slice, weight "
-  "standardisation) inside the decorated function; for a copy made by "
-  "jax.checkpoint, use immgrad.checkpoint."
+  "its own parameter, or use it only undecorated. Cast with "
+  "immediate_layer(compute_dtype=...); compute other weights (a slice, "
+  "weight standardisation) inside the layer; for jax.checkpoint use "
+  "immgrad.checkpoint."
 )
-_TRANSPOSED = ": it has the shape of parameter {path} transposed"
+_TRANSPOSED = " (the shape of {path} transposed)"
 
 _NESTED = (
   "immediate layer {layer!r} was called on parameter {path} inside a "
@@ -88,13 +85,11 @@ _NESTED_FIX["lax.switch"] = _NESTED_FIX["lax.cond"]
 
 _TWICE = (
   "parameter {path} reaches two immediate layer calls ({first!r} and "
-  "{second!r}) in one step: it is tied (such as an embedding reused for "
-  "the logits). One layer's step would miss the other use's part of the "
-  "gradient, so a tied parameter cannot be immediate. Give each use its "
-  "own parameter, or use it only in undecorated code (the plain function "
-  "in every place, not the immediate_layer) so that it trains ordinarily; "
-  "immgrad.immediate finds the layers and keeps tied parameters ordinary "
-  "by itself."
+  "{second!r}) in one step: it is tied (an embedding reused for the "
+  "logits, say), and one layer's step would miss the other's part of its "
+  "gradient. Give each use its own parameter, or use it only undecorated "
+  "(the plain function in every place) so that it trains ordinarily, as "
+  "immgrad.immediate does by itself."
 )
 
 

@@ -40,15 +40,13 @@ _MODES = {"current": 0.0, "updated": 1.0}
 
 _MIXED = (
   "immgrad.value_and_grad: parameter {path} is stepped by immediate layer "
-  "{layer!r} and also used outside it, by an ordinary operation of the "
-  "loss: it is either tied (used again, such as an embedding's transpose "
-  "computing the logits) or in a term such as an L2 penalty. The layer's "
-  "step would miss that use's part of the gradient. For weight decay, drop "
-  "the term and use optax.adamw or optax.add_decayed_weights. A tied "
-  "parameter cannot be immediate: give each use its own parameter, or use "
-  "it only in undecorated code (the plain function, not the "
-  "immediate_layer) so that it trains ordinarily. Under immgrad.immediate, "
-  "compute every use inside the function it wraps: it then finds the tie."
+  "{layer!r} and also used outside it: either tied (an embedding's "
+  "transpose computing the logits, say) or in a term such as an L2 "
+  "penalty, whose part of the gradient the layer's step would miss. For "
+  "weight decay, drop the term and use optax.adamw or "
+  "optax.add_decayed_weights. Give a tied parameter its own parameter per "
+  "use, or use it only undecorated so that it trains ordinarily (under "
+  "immgrad.immediate: compute every use inside the wrapped function)."
 )
 
 _NO_LAYER = (
