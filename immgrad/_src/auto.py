@@ -20,7 +20,8 @@ every iteration (a ``lax.scan`` closing over it), the function's output or
 a parameter-only term combined with the loss (an L2 penalty, which is then
 a layer of its own) keeps an ordinary gradient, as does every leaf its
 layer reads with it, and a layer inside a ``jax.checkpoint`` that is handed
-weights computed outside it. :func:`layers` reports each leaf's fate.
+weights computed outside it. :func:`layers` reports each leaf's fate;
+``immediate`` warns of each such leaf (``ordinary.py``).
 Parameters combined with activations inside ``cond``, ``switch`` or
 ``while_loop`` are refused; in a ``scan``'s carry or inside other
 transformations that keep an inner program, not supported yet.
@@ -720,7 +721,6 @@ def immediate(
     if step is None:
       return fun(*args, **kwargs)
     program, plan, leaves, paths = _analyse(fun, argnums, args, kwargs)
-    ordinary_lib.report(plan.ordinary, len(plan.params), paths, strict)
     for i in plan.params.values():
       if step.find(leaves[i], "immgrad.immediate") is None:
         raise ValueError(
@@ -732,6 +732,7 @@ def immediate(
         raise ValueError(
           _CLOSED_OVER.format(fun=_name(fun), path=slot.path, argnums=argnums)
         )
+    ordinary_lib.report(plan.ordinary, len(plan.params), paths, strict)
     values = [leaves[i] for i, n in enumerate(program.inputs) if n is not None]
     outs = _run(program, plan, values)
     return jax.tree.unflatten(program.out_tree, outs)

@@ -62,6 +62,7 @@ def _library_dirs() -> tuple[str, ...]:
   return tuple(os.path.join(os.path.abspath(d), "") for d in dirs)
 
 
+@functools.lru_cache(maxsize=4096)
 def in_library(filename: str) -> bool:
   """Whether ``filename`` belongs to JAX, a model library, immgrad or Python."""
   return os.path.abspath(filename).startswith(_library_dirs())

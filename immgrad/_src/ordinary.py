@@ -13,8 +13,25 @@ from immgrad._src import callsite
 class OrdinaryWarning(UserWarning):
   """Parameters given to :func:`immgrad.immediate` train ordinarily.
 
-  Raised as an error instead with ``immediate(..., strict=True)``; silence
-  it with ``warnings.filterwarnings("ignore", category=OrdinaryWarning)``.
+  Issued once per trace of the step; raised as a ``ValueError`` instead
+  with ``immediate(..., strict=True)``; silenced with
+  ``warnings.filterwarnings("ignore", category=immgrad.OrdinaryWarning)``.
+
+  Example:
+    >>> import warnings
+    >>> import jax.numpy as jnp, optax
+    >>> import immgrad
+    >>> def loss_fn(params, tokens):  # The embedding is tied.
+    ...   return jnp.mean(params["embed"][tokens] @ params["embed"].T)
+    >>> params = {"embed": jnp.ones((10, 4))}
+    >>> tx = immgrad.shim(optax.sgd(0.1))
+    >>> step = immgrad.value_and_grad(
+    ...   immgrad.immediate(loss_fn), tx, mode="current")
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...   warnings.simplefilter("always")
+    ...   _ = step(params, tx.init(params), jnp.arange(3))
+    >>> print(str(caught[0].message).splitlines()[1])  # doctest: +ELLIPSIS
+      ['embed']: read by 2 layers: `gather` (...), `dot_general` (...)
   """
 
 
