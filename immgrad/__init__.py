@@ -14,6 +14,7 @@ from immgrad._src.checkpoint import save_checkpoint as save_checkpoint
 from immgrad._src.clipping import clip_by_layer_norm as clip_by_layer_norm
 from immgrad._src.grad import value_and_grad as value_and_grad
 from immgrad._src.layer import immediate_layer as immediate_layer
+from immgrad._src.ordinary import OrdinaryWarning as OrdinaryWarning
 from immgrad._src.remat import checkpoint as checkpoint
 from immgrad._src.scan import scan as scan
 from immgrad._src.shim import shim as shim
@@ -41,6 +42,7 @@ except _metadata.PackageNotFoundError:  # Imported from a source tree.
 __all__ = (
   "ImmediateGrad",
   "Layers",
+  "OrdinaryWarning",
   "ShimState",
   "ShimTransformation",
   "Stepped",

@@ -55,11 +55,11 @@ def _kinds(grads):
   return [type(g).__name__ for g in jax.tree.leaves(grads, is_leaf=_is_grad)]
 
 
-def _grads(loss_fn, params, *batch, modules=None):
+def _grads(loss_fn, params, *batch, modules=None, mode="updated"):
   """The grads of one immediate step (sgd), to see which leaves it stepped."""
   tx = immgrad.shim(optax.sgd(0.1))
   return immgrad.value_and_grad(
-    immgrad.equinox.immediate(loss_fn, modules), tx
+    immgrad.equinox.immediate(loss_fn, modules), tx, mode=mode
   )(params, tx.init(params), *batch)[1]
 
 
@@ -195,7 +195,8 @@ def test_other_threads_see_equinox_while_a_model_runs():
   def other_thread():  # In a step of its own, but not wrapped: ordinary.
     tx = immgrad.shim(optax.sgd(0.1))
     loss = lambda p, x: jnp.sum(eqx.combine(p, static)(x))
-    _, grads = immgrad.value_and_grad(loss, tx)(
+    # mode="current": without a layer, "updated" is refused.
+    _, grads = immgrad.value_and_grad(loss, tx, mode="current")(
       params, tx.init(params), jnp.ones(3)
     )
     seen.extend(_kinds(grads))
@@ -579,7 +580,8 @@ def test_a_layer_in_a_cond_is_refused_by_its_equinox_path():
 )
 def test_conv_transpose_trains_like_plain(modules, kind):
   """Immediate by default and when chosen (the program's conv); ordinary
-  with the library's DEFAULT_MODULES, which leave it out.
+  with the library's DEFAULT_MODULES, which leave it out. With no layer
+  chosen, mode="updated" is refused: the grads are current's.
   """
   model = eqx.nn.ConvTranspose2d(2, 3, 3, key=_KEYS[0])
   params, static = eqx.partition(model, eqx.is_inexact_array)
@@ -598,7 +600,8 @@ def test_conv_transpose_trains_like_plain(modules, kind):
     loss_fn, optax.adam(1e-2), params, data, modules=modules
   )
   oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
-  grads = _grads(loss_fn, params, *data[0], modules=modules)
+  mode = "updated" if kind == "ImmediateGrad" else "current"
+  grads = _grads(loss_fn, params, *data[0], modules=modules, mode=mode)
   assert set(_kinds(grads)) == {kind}
 
 

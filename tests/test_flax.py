@@ -652,7 +652,8 @@ def test_other_threads_see_flax_while_a_step_traces():
 
   def other_thread():
     inside.wait(timeout=60)
-    step = immgrad.value_and_grad(loss_fn, tx)
+    # mode="current": without a layer, "updated" is refused.
+    step = immgrad.value_and_grad(loss_fn, tx, mode="current")
     _, grads = step(
       params, tx.init(params), jnp.ones((2, 5)), jnp.zeros((2, 3))
     )
@@ -775,13 +776,27 @@ def test_custom_nnx_module_is_claimed_by_default(modules, stepped):
 
 
 def test_modules_option_chooses_and_others_stay_ordinary():
+  """Choosing no module of the model leaves no immediate layer: refused in
+  mode="updated", plain training in "current".
+  """
   loss_fn, params = _linen_mlp(jnp.ones((2, 5)))
   tx = immgrad.shim(optax.sgd(0.1))
-  for modules, count in [((nn.Dense,), 6), ((nnx.Linear,), 0), (None, 6)]:
-    _, grads = immgrad.value_and_grad(
-      immgrad.flax.immediate(loss_fn, modules=modules), tx
-    )(params, tx.init(params), jnp.ones((2, 5)), jnp.zeros((2, 3)))
-    assert sum(_grads(grads)[1]) == count
+  batch = jnp.ones((2, 5)), jnp.zeros((2, 3))
+  _, grads = immgrad.value_and_grad(
+    immgrad.flax.immediate(loss_fn, modules=(nn.Dense,)), tx
+  )(params, tx.init(params), *batch)
+  assert sum(_grads(grads)[1]) == 6
+  none_chosen = immgrad.flax.immediate(loss_fn, modules=(nnx.Linear,))
+  with pytest.raises(ValueError, match="no immediate layer used"):
+    immgrad.value_and_grad(none_chosen, tx)(params, tx.init(params), *batch)
+  _, grads = immgrad.value_and_grad(none_chosen, tx, mode="current")(
+    params, tx.init(params), *batch
+  )
+  assert sum(_grads(grads)[1]) == 0
+  _, grads = immgrad.value_and_grad(immgrad.flax.immediate(loss_fn), tx)(
+    params, tx.init(params), *batch
+  )
+  assert sum(_grads(grads)[1]) == 6  # The default: every parameter.
 
 
 def test_modules_not_listed_keep_ordinary_gradients():

@@ -460,7 +460,8 @@ def test_hk_vmap_around_immediate_modules_steps_once_on_the_batch(mode):
 
 def test_hk_scan_around_a_module_leaves_its_weights_ordinary():
   """hk.scan closes over the weights: every iteration reuses them, so
-  immgrad.immediate keeps their gradient ordinary (the shim applies it).
+  immgrad.immediate keeps their gradient ordinary (the shim applies it)
+  and says so. With no immediate layer left, mode="updated" is refused.
   """
 
   def forward(x):
@@ -471,9 +472,12 @@ def test_hk_scan_around_a_module_leaves_its_weights_ordinary():
   x, y = jnp.ones((4, 5)), jnp.zeros((4, 5))
   params = model.init(jax.random.PRNGKey(0), x)
   tx = immgrad.shim(optax.sgd(0.1))
-  _, grads = immgrad.value_and_grad(_mse_loss(model), tx)(
-    params, tx.init(params), x, y
-  )
+  with pytest.raises(ValueError, match="no immediate layer used"):
+    immgrad.value_and_grad(_mse_loss(model), tx)(params, tx.init(params), x, y)
+  with pytest.warns(immgrad.OrdinaryWarning, match="reused by every iteration"):
+    _, grads = immgrad.value_and_grad(_mse_loss(model), tx, mode="current")(
+      params, tx.init(params), x, y
+    )
   assert not any(
     isinstance(g, immgrad.ImmediateGrad)
     for g in jax.tree.leaves(

@@ -327,17 +327,19 @@ def test_l2_in_the_loss_trains_ordinarily_and_is_reported():
   sgd = optax.sgd(0.1)
   want = _train(l2_loss, params, batches, sgd, _plain(l2_loss, sgd))
   tx = immgrad.shim(sgd)
-  got = _train(
-    l2_loss,
-    params,
-    batches,
-    tx,
-    _immediate(immgrad.flax.immediate(l2_loss), tx),
-  )
+  with pytest.warns(immgrad.OrdinaryWarning, match="read outside its layer"):
+    got = _train(
+      l2_loss,
+      params,
+      batches,
+      tx,
+      _immediate(immgrad.flax.immediate(l2_loss), tx),
+    )
   chex.assert_trees_all_close(got, want, atol=ATOL, rtol=RTOL)
-  assert not any(jax.tree.leaves(_stepped(l2_loss, params, batches[0])))
+  with pytest.raises(ValueError, match="no immediate layer used"):
+    _stepped(l2_loss, params, batches[0])  # mode="updated": all ordinary.
   report = str(immgrad.layers(l2_loss, params, batches[0]))
-  assert report.count("read by 2 layers") == 4
+  assert report.count("in a term of the parameters combined with the loss") == 4
 
 
 def test_l2_moved_into_the_optimizer_trains_as_plain():

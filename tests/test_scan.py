@@ -482,8 +482,8 @@ def test_stacked_parameter_used_by_a_layer_and_ordinarily_is_an_error():
   tx = immgrad.shim(optax.sgd(0.1))
   with pytest.raises(
     ValueError,
-    match=r"\['blocks'\]\['b'\] is used by "
-    "immediate layer .* and also by an ordinary operation",
+    match=r"\['blocks'\]\['b'\] is stepped by "
+    "immediate layer .* and also used outside it",
   ):
     immgrad.value_and_grad(loss_fn, tx)(params, tx.init(params), *_data()[0])
 

@@ -20,7 +20,8 @@ every iteration (a ``lax.scan`` closing over it), the function's output or
 a parameter-only term combined with the loss (an L2 penalty, which is then
 a layer of its own) keeps an ordinary gradient, as does every leaf its
 layer reads with it, and a layer inside a ``jax.checkpoint`` that is handed
-weights computed outside it. :func:`layers` reports each leaf's fate.
+weights computed outside it. :func:`layers` reports each leaf's fate;
+``immediate`` warns of each such leaf (``ordinary.py``).
 Parameters combined with activations inside ``cond``, ``switch`` or
 ``while_loop`` are refused; in a ``scan``'s carry or inside other
 transformations that keep an inner program, not supported yet.
@@ -38,8 +39,10 @@ from jax.extend import source_info_util
 import jax.numpy as jnp
 import numpy as np
 
+from immgrad._src import callsite
 from immgrad._src import compat
 from immgrad._src import context
+from immgrad._src import ordinary as ordinary_lib
 from immgrad._src import remat as remat_lib
 from immgrad._src import scan as scan_lib
 from immgrad._src.layer import immediate_layer
@@ -97,7 +100,7 @@ class _Region:
 
   @property
   def where(self) -> str:
-    return source_info_util.summarize(self.eqn.source_info)
+    return callsite.user_line(self.eqn.source_info)
 
 
 @dataclasses.dataclass(eq=False)
@@ -111,7 +114,7 @@ class _Node:
 
   @property
   def where(self) -> str:
-    return source_info_util.summarize(self.eqn.source_info)
+    return callsite.user_line(self.eqn.source_info)
 
 
 def _regions(region: _Region | None) -> list:
@@ -224,11 +227,26 @@ class _Plan:
   taint: dict  # value number -> frozenset of leaf indices, or None (act).
   immediate: dict  # leaf index -> its immediate layer _Node.
   preprocess: dict  # id(layer) -> (raw value numbers, parameter-only nodes).
-  ordinary: dict  # leaf index -> why it keeps an ordinary gradient.
+  ordinary: dict  # leaf index -> the Reason it keeps an ordinary gradient.
   scans: dict  # id(scan node) -> (its body _Program, the body's _Plan).
 
 
 _ACT = None  # The taint of a value that depends on an activation.
+
+
+@dataclasses.dataclass(frozen=True)
+class Reason:
+  """Why a parameter leaf keeps an ordinary gradient: a kind and the text.
+
+  ``kind`` is one of ``ordinary.FIXES``' keys (``"tied"``, ``"outside"``,
+  ``"loop"``, ``"computed"``, ``"shares"``) or ``"unused"``.
+  """
+
+  kind: str
+  text: str
+
+  def __str__(self) -> str:
+    return self.text
 
 
 def _plan(program: _Program, params: dict, paths: list) -> _Plan:
@@ -268,7 +286,7 @@ def _plan(program: _Program, params: dict, paths: list) -> _Plan:
       taint[n] = _ACT if act else reads
   for v in program.outs:
     for leaf in of(v) or ():
-      sinks[leaf].append((None, "returned by the function"))
+      sinks[leaf].append((None, Reason("outside", "returned by the function")))
   immediate, ordinary, preprocess = {}, {}, {}
   producer = {n: node for node in program.nodes for n in node.outs}
   raw_of = {leaf: n for n, leaf in params.items()}
@@ -287,20 +305,22 @@ def _plan(program: _Program, params: dict, paths: list) -> _Plan:
       elif leaf in shared:
         ordinary[leaf] = _why(sinks[leaf])
       elif shared:
-        ordinary[leaf] = (
+        ordinary[leaf] = Reason(
+          "shares",
           f"its layer `{node.eqn.primitive.name}` "
           f"({node.where}) also reads {paths[shared[0]]}, "
-          f"which is ordinary"
+          f"which is ordinary",
         )
       else:
-        ordinary[leaf] = (
+        ordinary[leaf] = Reason(
+          "computed",
           f"its layer `{node.eqn.primitive.name}` ({node.where}) is inside "
           f"`{outside.eqn.primitive.name}` ({outside.where}), which gets "
-          f"its weights computed, not the parameters themselves"
+          f"its weights computed, not the parameters themselves",
         )
   for leaf, uses in sinks.items():
     if leaf not in immediate and leaf not in ordinary:
-      ordinary[leaf] = _why(uses) if uses else "unused"
+      ordinary[leaf] = _why(uses) if uses else Reason("unused", "unused")
   return _Plan(params, taint, immediate, preprocess, ordinary, scans)
 
 
@@ -322,14 +342,17 @@ def _plan_scan(
     if t is _ACT or not t:
       continue
     if i < consts:
-      why = f"reused by every iteration of `scan` ({node.where})"
+      why = Reason(
+        "loop", f"reused by every iteration of `scan` ({node.where})"
+      )
     elif v in params:
       slices[body.inputs[i]] = params[v]
       continue
     else:
-      why = (
+      why = Reason(
+        "computed",
         f"scanned over by `scan` ({node.where}) after being computed: "
-        f"pass the stacked parameter itself as xs"
+        f"pass the stacked parameter itself as xs",
       )
     for leaf in t:
       sinks[leaf].append((None, why))
@@ -339,10 +362,13 @@ def _plan_scan(
     if leaf in stepped:
       sinks[leaf].append((node, None))
     else:
+      inner = plan.ordinary[leaf]
       sinks[leaf].append(
         (
           None,
-          f"inside `scan` ({node.where}), its slice is {plan.ordinary[leaf]}",
+          Reason(
+            inner.kind, f"inside `scan` ({node.where}), its slice is {inner}"
+          ),
         )
       )
   return (body, plan), stepped
@@ -384,16 +410,34 @@ def _outside(node: _Node, raw: list, pre: list) -> _Region | None:
   return None
 
 
-def _why(uses) -> str:
-  """Why a leaf with these uses keeps an ordinary gradient."""
+def _why(uses) -> Reason:
+  """Why a leaf with these uses keeps an ordinary gradient.
+
+  A layer with a scalar output (``loss + penalty``) is a term of the
+  parameters combined with the loss: the leaf is read outside its layer.
+  """
   layers = [node for node, _ in uses if node is not None]
   others = [why for node, why in uses if node is None]
   if others:
-    return others[0] + (
-      f", and read by {len(layers)} layer(s)" if layers else ""
+    return Reason(
+      others[0].kind,
+      others[0].text
+      + (f", and read by {len(layers)} layer(s)" if layers else ""),
     )
-  named = ", ".join(f"`{n.eqn.primitive.name}` ({n.where})" for n in layers)
-  return f"read by {len(set(layers))} layers: {named}"
+  terms = [n for n in layers if not n.eqn.outvars[0].aval.shape]
+  if terms:
+    rest = [n for n in layers if n not in terms]
+    return Reason(
+      "outside",
+      f"in a term of the parameters combined with the loss by "
+      f"{_named(terms[:1])}"
+      + (f", and read by {_named(rest)}" if rest else ""),
+    )
+  return Reason("tied", f"read by {len(set(layers))} layers: {_named(layers)}")
+
+
+def _named(nodes: list) -> str:
+  return ", ".join(f"`{n.eqn.primitive.name}` ({n.where})" for n in nodes)
 
 
 def _check_mixed(node: _Node, ins: list, paths: list) -> None:
@@ -627,7 +671,7 @@ def _analyse(fun, argnums, args, kwargs):
 
 
 def immediate(
-  fun: Callable[..., Any], *, argnums: int = 0
+  fun: Callable[..., Any], *, argnums: int = 0, strict: bool = False
 ) -> Callable[..., Any]:
   """Makes every layer JAX traces in ``fun`` an immediate layer.
 
@@ -637,13 +681,18 @@ def immediate(
       ``merge``-and-call, raw JAX. Non-array arguments are static, as
       under ``jax.jit``.
     argnums: the position of the parameter tree among ``fun``'s arguments.
+    strict: raise ``ValueError`` where an :class:`OrdinaryWarning` would be
+      issued.
 
   Returns:
     ``fun``, except inside ``immgrad.value_and_grad``: there each equation
     that combines parameter-only values with activations, and whose
     parameter leaves reach nothing else, is an immediate layer stepped in
     the backward pass; every other parameter keeps an ordinary gradient
-    (see :func:`layers` for which and why).
+    (see :func:`layers` for which and why). If a floating-point leaf of the
+    parameter tree that ``fun`` uses is left ordinary, each trace of the
+    step warns (:class:`OrdinaryWarning`) with the leaves, the reasons and
+    their fixes; with ``strict`` it raises.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax
@@ -691,6 +740,7 @@ def immediate(
         raise ValueError(
           _CLOSED_OVER.format(fun=_name(fun), path=slot.path, argnums=argnums)
         )
+    ordinary_lib.report(plan.ordinary, len(plan.params), paths, strict)
     values = [leaves[i] for i, n in enumerate(program.inputs) if n is not None]
     outs = _run(program, plan, values)
     return jax.tree.unflatten(program.out_tree, outs)
@@ -790,7 +840,7 @@ def _row(plan: _Plan, i: int, path: str, leaf) -> Row:
     out = node.eqn.outvars[0].aval.str_short()
     layer = f"{node.eqn.primitive.name} -> {out}{scanned}"
     return Row(path, shape, layer, node.where, None)
-  return Row(path, shape, None, None, plan.ordinary.get(i, _NOT_FLOAT))
+  return Row(path, shape, None, None, str(plan.ordinary.get(i, _NOT_FLOAT)))
 
 
 _NOT_FLOAT = "not floating point: no gradient"

@@ -1,15 +1,23 @@
-"""Which JAX transformation a layer was called inside, and from where.
+"""The user's line: outside JAX, the model libraries and immgrad.
 
-For error messages only: a refusal names the one transformation it found
-and the user's line that called it, rather than listing every candidate.
-It reads the Python call stack, innermost frame first, for the public
+For messages only. :func:`user_line` names where an equation was traced
+from, :func:`user_stacklevel` where a warning points. A refusal names the
+one transformation it found (:func:`enclosing_transformation`) and the
+user's line that called it, rather than listing every candidate: it reads
+the Python call stack, innermost frame first, for the public
 transformations' own functions in ``jax/_src``. If a JAX release renames
 them, the messages fall back to a generic wording; nothing else depends on
 this.
 """
 
+import functools
+import importlib.util
 import os
+import re
+import sys
 import traceback
+
+from jax.extend import source_info_util
 
 # (file under jax/_src, function) -> the public name of the transformation.
 _TRANSFORMATIONS = {
@@ -28,19 +36,62 @@ _LAYER_FILE, _LIFTING_RULE = os.path.join("immgrad", "_src", "layer.py"), "rule"
 # Built on lax.scan: reported as themselves when they are the caller.
 _BUILT_ON_SCAN = ("lax.fori_loop", "lax.map")
 # Libraries whose frames are not the user's line.
-_LIBRARIES = tuple(
-  os.sep + name + os.sep
-  for name in (
-    "jax",
-    "jaxlib",
-    "haiku",
-    "flax",
-    "equinox",
-    "immgrad",
-    "optax",
-    "chex",
-  )
+_LIBRARIES = (
+  "jax",
+  "jaxlib",
+  "haiku",
+  "flax",
+  "equinox",
+  "immgrad",
+  "optax",
+  "chex",
 )
+# One frame of source_info_util.summarize: "file:line[:column] (function)".
+_FRAME = re.compile(r"^(?P<file>.*?):\d+(?::\d+)? \(.*\)$")
+_FRAMES = 100  # How many of an equation's user frames to look through.
+
+
+@functools.cache
+def _library_dirs() -> tuple[str, ...]:
+  """The installed folders of ``_LIBRARIES`` and of Python's own modules."""
+  dirs = [os.path.dirname(os.__file__)]
+  for name in _LIBRARIES:
+    spec = importlib.util.find_spec(name)
+    if spec is not None and spec.submodule_search_locations:
+      dirs.extend(spec.submodule_search_locations)
+  return tuple(os.path.join(os.path.abspath(d), "") for d in dirs)
+
+
+@functools.lru_cache(maxsize=4096)
+def in_library(filename: str) -> bool:
+  """Whether ``filename`` belongs to JAX, a model library, immgrad or Python."""
+  return os.path.abspath(filename).startswith(_library_dirs())
+
+
+def user_line(source_info) -> str:
+  """Where an equation was traced from: the innermost frame of the user's.
+
+  As ``source_info_util.summarize``, ``"file:line:column (function)"``, but
+  past frames in Flax, Haiku, Equinox, optax and immgrad too (JAX skips
+  only its own); if every frame is theirs, the innermost.
+  """
+  frames = source_info_util.summarize(source_info, num_frames=_FRAMES)
+  lines = frames.split("\n")[::-1]  # Innermost first.
+  for line in lines:
+    match = _FRAME.match(line)
+    if match and not in_library(match["file"]):
+      return line
+  return lines[0]
+
+
+def user_stacklevel() -> int:
+  """The ``stacklevel`` at which the caller's ``warnings.warn`` names the
+  user's line: the innermost frame outside the libraries (1: the caller).
+  """
+  frame, level = sys._getframe(1), 1
+  while frame is not None and in_library(frame.f_code.co_filename):
+    frame, level = frame.f_back, level + 1
+  return level if frame is not None else 1
 
 
 def enclosing_transformation() -> tuple[str | None, str | None]:
@@ -82,6 +133,4 @@ def _match(frame) -> str | None:
 
 
 def _in_library(filename: str) -> bool:
-  return any(part in filename for part in _LIBRARIES) or filename.startswith(
-    "<"
-  )
+  return in_library(filename) or filename.startswith("<")

@@ -30,14 +30,16 @@ from immgrad._src import callsite
 from immgrad._src.compat import get_opaque_trace_state
 
 _NOT_A_PARAMETER = (
-  "immediate layer {layer!r} got params{where} that is not a parameter "
-  "leaf given to immgrad.value_and_grad but a value computed from one (a "
-  "cast, slice or reparametrisation such as weight standardisation, or a "
-  "copy made by a transformation). Its step would be applied through that "
-  "computation. Pass the parameter itself (a cast belongs inside the "
-  "layer: immediate_layer(compute_dtype=...)), or leave the layer's module "
-  "out of `modules=` so that it trains ordinarily."
+  "immediate layer {layer!r} got params{where} ({shape}), not a parameter "
+  "leaf of the step but a value computed from one{hint}: its step would go "
+  "through that computation. A tied weight (an "
+  "embedding transposed for the logits) cannot be immediate: give each use "
+  "its own parameter, or use it only undecorated. Cast with "
+  "immediate_layer(compute_dtype=...); compute other weights (a slice, "
+  "weight standardisation) inside the layer; for jax.checkpoint use "
+  "immgrad.checkpoint."
 )
+_TRANSPOSED = " (the shape of {path} transposed)"
 
 _NESTED = (
   "immediate layer {layer!r} was called on parameter {path} inside a "
@@ -83,10 +85,11 @@ _NESTED_FIX["lax.switch"] = _NESTED_FIX["lax.cond"]
 
 _TWICE = (
   "parameter {path} reaches two immediate layer calls ({first!r} and "
-  "{second!r}) in one step, as tied weights do. One update cannot honour "
-  "both parts of its gradient. Give each call its own parameter, or let "
-  "the shared one train ordinarily: leave its module out of `modules=` "
-  "(adapters), or do not decorate one of the calls."
+  "{second!r}) in one step: it is tied (an embedding reused for the "
+  "logits, say), and one layer's step would miss the other's part of its "
+  "gradient. Give each use its own parameter, or use it only undecorated "
+  "(the plain function in every place) so that it trains ordinarily, as "
+  "immgrad.immediate does by itself."
 )
 
 
@@ -250,8 +253,7 @@ class Step:
     for keypath, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
       slot = self.find(leaf, layer)
       if slot is None:
-        where = jax.tree_util.keystr(keypath)
-        raise ValueError(_NOT_A_PARAMETER.format(layer=layer, where=where))
+        raise self._not_a_parameter(layer, keypath, leaf)
       if slot in found:
         raise ValueError(
           _TWICE.format(path=slot.path, first=layer, second=layer)
@@ -260,6 +262,24 @@ class Step:
     for slot in found:
       slot.claim(layer)
     return found
+
+  def _not_a_parameter(self, layer: str, keypath, leaf) -> ValueError:
+    """The error for a layer given a value computed from a parameter."""
+    shape = jax.core.ShapedArray(jnp.shape(leaf), jnp.result_type(leaf))
+    transposed = [
+      jax.tree_util.keystr(path)
+      for path, p in jax.tree_util.tree_flatten_with_path(self.params)[0]
+      if len(p.shape) > 1 and p.shape == shape.shape[::-1] != p.shape[::-1]
+    ]
+    hint = _TRANSPOSED.format(path=transposed[0]) if transposed else ""
+    return ValueError(
+      _NOT_A_PARAMETER.format(
+        layer=layer,
+        where=jax.tree_util.keystr(keypath),
+        shape=shape.str_short(),
+        hint=hint,
+      )
+    )
 
 
 def watched(leaf: jax.Array, on_use: Callable[[], None]) -> jax.Array:

@@ -39,13 +39,25 @@ from immgrad._src import shim as shim_lib
 _MODES = {"current": 0.0, "updated": 1.0}
 
 _MIXED = (
-  "parameter {path} is used by immediate layer {layer!r} and also by an "
-  "ordinary operation in the loss: tied weights (an embedding reused for "
-  "the logits) or a term such as an L2 penalty. The layer would step it "
-  "from its own part of the gradient only. For weight decay, drop the "
-  "loss term and use optax.add_decayed_weights or optax.adamw; for tied "
-  "weights, leave that layer's module class out of `modules=` (adapters) "
-  "or do not decorate it, so that the parameter trains ordinarily."
+  "immgrad.value_and_grad: parameter {path} is stepped by immediate layer "
+  "{layer!r} and also used outside it: either tied (an embedding's "
+  "transpose computing the logits, say) or in a term such as an L2 "
+  "penalty, whose part of the gradient the layer's step would miss. For "
+  "weight decay, drop the term and use optax.adamw or "
+  "optax.add_decayed_weights. Give a tied parameter its own parameter per "
+  "use, or use it only undecorated so that it trains ordinarily (under "
+  "immgrad.immediate: compute every use inside the wrapped function)."
+)
+
+_NO_LAYER = (
+  "immgrad.value_and_grad: mode={mode!r} takes each immediate layer's dX "
+  "at its stepped weights, but no immediate layer used any parameter of "
+  "{fun!r}, so every parameter would train ordinarily. Wrap the model or "
+  "the loss with immgrad.immediate(...) or an adapter "
+  "(immgrad.haiku.immediate, immgrad.flax.immediate, "
+  "immgrad.equinox.immediate), or decorate its layers with "
+  "@immgrad.immediate_layer; if it is wrapped, immgrad.layers(...) says "
+  'why each parameter stays ordinary. For plain training, use mode="current".'
 )
 
 
@@ -70,7 +82,9 @@ def value_and_grad(
       ordinary training. A number ``a`` computes it at
       ``W + a * (W_new - W)``: ``0`` is ``"current"``, ``1`` is
       ``"updated"`` (bit for bit), and any other real number, negative or
-      above 1, interpolates or extrapolates.
+      above 1, interpolates or extrapolates. Any mode but ``"current"``
+      needs an immediate layer in ``fun``: without one it raises
+      ``ValueError``.
     axis_name: a ``pmap``/``shard_map`` axis (or tuple of axes) to average
       every gradient over before it is used, immediate or ordinary. Leave it
       None under plain ``jit`` over a sharded batch: XLA reduces there.
@@ -180,6 +194,10 @@ def value_and_grad(
     value, backward, *aux = jax.vjp(
       loss, leaves, leaves, jnp.zeros((), jnp.float32), probes, has_aux=has_aux
     )
+    if dx_at != 0 and all(slot.layer is None for slot in run.slots):
+      raise ValueError(
+        _NO_LAYER.format(mode=mode, fun=getattr(fun, "__qualname__", fun))
+      )
     cts, dws, nonfinite, changes = backward(jnp.ones_like(value))
     grads = []
     for i, slot in enumerate(run.slots):
