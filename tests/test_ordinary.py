@@ -255,6 +255,61 @@ def test_an_adapter_warns_at_the_users_line():
   assert "['linear']['w']: reused by every iteration of `scan`" in message
 
 
+def _adapter_loss(library, strict):
+  """A model whose one weight is read twice (``x @ w @ w.T``: tied), built
+  with ``library``'s own modules and wrapped by its adapter."""
+  if library == "haiku":
+
+    def forward(x):
+      w = hk.get_parameter("w", (3, 3), init=hk.initializers.Identity())
+      return x @ w @ w.T
+
+    model = hk.without_apply_rng(
+      hk.transform(immgrad.haiku.immediate(forward, strict=strict))
+    )
+    params = model.init(jax.random.PRNGKey(0), X)
+    return lambda p, x: jnp.sum(model.apply(p, x) ** 2), params
+  if library == "flax":
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Tied(nnx.Module):
+      def __init__(self):
+        self.w = nnx.Param(jnp.eye(3))
+
+      def __call__(self, x):
+        return x @ self.w[...] @ self.w[...].T
+
+    graphdef, params = nnx.split(Tied(), nnx.Param)
+    fn = lambda p, x: jnp.sum(nnx.merge(graphdef, p)(x) ** 2)
+    return immgrad.flax.immediate(fn, strict=strict), params
+  eqx = pytest.importorskip("equinox")
+
+  class Tied(eqx.Module):
+    w: jax.Array
+
+    def __call__(self, x):
+      return x @ self.w @ self.w.T
+
+  fn = lambda m, x: jnp.sum(m(x) ** 2)
+  return immgrad.equinox.immediate(fn, strict=strict), Tied(jnp.eye(3))
+
+
+@pytest.mark.parametrize("library", ["haiku", "flax", "equinox"])
+def test_adapters_warn_and_strict_raises(library):
+  """Each adapter hands ``strict`` to immgrad.immediate: the tied weight
+  warns by default (its gradient plain JAX's) and is an error with
+  ``strict=True``."""
+  loss_fn, params = _adapter_loss(library, strict=False)
+  (warning,) = _warned(loss_fn, params, X)
+  assert "read by 2 layers" in str(warning.message)
+  _, grads = _step(loss_fn, params, X)
+  want = jax.grad(loss_fn)(params, X)
+  chex.assert_trees_all_close(grads, want, atol=ATOL, rtol=RTOL)
+  loss_fn, params = _adapter_loss(library, strict=True)
+  with pytest.raises(ValueError, match="1 of the 1 parameter leaves"):
+    _step(loss_fn, params, X)
+
+
 # -- no immediate layer at all -------------------------------------------------
 
 

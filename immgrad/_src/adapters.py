@@ -71,12 +71,17 @@ def place(path) -> str:
 
 
 def step_chosen(
-  fn: Callable[..., Any], keyed: list, treedef: Any, chosen: list[bool]
+  fn: Callable[..., Any],
+  keyed: list,
+  treedef: Any,
+  chosen: list[bool],
+  strict: bool = False,
 ) -> Any:
   """``fn(*args, **kwargs)`` through :func:`immgrad.immediate`, with the
   ``chosen`` leaves of ``(args, kwargs)`` (``keyed``, flattened with their
   paths) as its parameter tree, named by their place in fn's arguments;
-  every other leaf goes in as the data does.
+  every other leaf goes in as the data does. ``strict``: as
+  :func:`immgrad.immediate`'s.
   """
   names = [place(path) if c else None for (path, _), c in zip(keyed, chosen)]
   params = {n: leaf for n, (_, leaf) in zip(names, keyed) if n}
@@ -88,4 +93,4 @@ def step_chosen(
     args, kwargs = treedef.unflatten(full)
     return fn(*args, **kwargs)
 
-  return auto.immediate(call)(params, others)
+  return auto.immediate(call, strict=strict)(params, others)

@@ -35,7 +35,10 @@ DEFAULT_MODULES = (
 
 
 def immediate(
-  fn: Callable[..., Any], modules: Sequence[type] | None = None
+  fn: Callable[..., Any],
+  modules: Sequence[type] | None = None,
+  *,
+  strict: bool = False,
 ) -> Callable[..., Any]:
   """Makes the parameters of the Equinox model in ``fn`` immediate.
 
@@ -53,6 +56,9 @@ def immediate(
       ``DEFAULT_MODULES + (MyModule,)`` is Equinox's weight-carrying
       modules (``eqx.nn.Linear``, ``eqx.nn.Conv``, ``eqx.nn.LayerNorm``,
       ``eqx.nn.RMSNorm``, ``eqx.nn.Embedding``) and yours.
+    strict: raise ``ValueError`` where an :class:`immgrad.OrdinaryWarning`
+      would be issued (a parameter this function was asked to step that
+      trains ordinarily: tied, read outside its layer, reused by a loop).
 
   Returns:
     ``fn``, with those parameters updated during the backward pass inside
@@ -107,7 +113,7 @@ def immediate(
     if chosen is not None:
       owned = _owned(chosen, (args, kwargs))
       found = [f and o for f, o in zip(found, owned)]
-    return adapters.step_chosen(fn, keyed, treedef, found)
+    return adapters.step_chosen(fn, keyed, treedef, found, strict)
 
   return wrapped
 

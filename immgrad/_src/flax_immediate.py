@@ -69,7 +69,10 @@ _LIBRARIES = frozenset(
 
 
 def immediate(
-  fn: Callable[..., Any], modules: Sequence[type] | None = None
+  fn: Callable[..., Any],
+  modules: Sequence[type] | None = None,
+  *,
+  strict: bool = False,
 ) -> Callable[..., Any]:
   """Makes the parameters of the Flax model in ``fn`` immediate.
 
@@ -86,6 +89,9 @@ def immediate(
       default, so ``DEFAULT_MODULES + (MyModule,)`` is Flax's
       weight-carrying modules and yours. For NNX it needs the model: among
       ``fn``'s arguments, or its ``nnx.GraphDef`` closed over by ``fn``.
+    strict: raise ``ValueError`` where an :class:`immgrad.OrdinaryWarning`
+      would be issued (a parameter this function was asked to step that
+      trains ordinarily: tied, read outside its layer, reused by a loop).
 
   Returns:
     ``fn``, with those parameters updated during the backward pass inside
@@ -158,7 +164,7 @@ def immediate(
       found = [
         i in owners and issubclass(owners[i], chosen) for i in range(len(found))
       ]
-    return adapters.step_chosen(fn, keyed, treedef, found)
+    return adapters.step_chosen(fn, keyed, treedef, found, strict)
 
   return wrapped
 

@@ -97,6 +97,7 @@ def immediate(
   modules: Sequence[type] | None = None,
   *,
   compute_dtype: Any | None = None,
+  strict: bool = False,
 ) -> Callable[..., Any]:
   """Makes the parameters of the Haiku model in ``fn`` immediate.
 
@@ -120,6 +121,9 @@ def immediate(
       updates stay float32. Normalisations compute in their inputs' dtype.
       It applies outside ``immgrad.value_and_grad`` too, so plain training
       of ``fn`` runs the same arithmetic.
+    strict: raise ``ValueError`` where an :class:`immgrad.OrdinaryWarning`
+      would be issued (a parameter this function was asked to step that
+      trains ordinarily: tied, read outside its layer, reused by a loop).
 
   Returns:
     ``fn``, with those modules' weights updated during the backward pass
@@ -171,17 +175,20 @@ def immediate(
       step = context.current() or auto.surveying()
       if step is None or _active() or hk.running_init():
         return fn(*args, **kwargs)
-      return _step(fn, step, chosen, units, args, kwargs)
+      return _step(fn, step, chosen, units, strict, args, kwargs)
 
   return wrapped
 
 
-def _step(fn, step, chosen: tuple[type, ...] | None, units, args, kwargs):
+def _step(
+  fn, step, chosen: tuple[type, ...] | None, units, strict: bool, args, kwargs
+):
   """``fn(*args, **kwargs)`` through ``immgrad.immediate``, in a step.
 
   ``chosen``: the classes whose modules' parameters are stepped (None:
   every parameter ``fn`` reads); ``units``: those whose calls are one
-  layer each when dX is taken at other weights than the old ones.
+  layer each when dX is taken at other weights than the old ones;
+  ``strict``: as :func:`immgrad.immediate`'s.
   """
   params = hk.get_params()
   outer = hk_stateful.internal_state(params=False)
@@ -220,7 +227,7 @@ def _step(fn, step, chosen: tuple[type, ...] | None, units, args, kwargs):
     return out, after.state, after.rng
 
   with _running():
-    out, state, rng = auto.immediate(call)(
+    out, state, rng = auto.immediate(call, strict=strict)(
       mine, others, outer.state, outer.rng, args, kwargs
     )
   hk_stateful.update_internal_state(hk_stateful.InternalState(None, state, rng))
