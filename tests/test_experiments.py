@@ -9,6 +9,7 @@ call its ``main`` with the same arguments in this process (conftest.py's
 spares each a new interpreter and shares this process' compiled programs.
 """
 
+import collections
 import contextlib
 import hashlib
 import io
@@ -989,3 +990,95 @@ def test_corpus_build_writes_splits_and_a_manifest_that_match(
   )
   assert b"Quick search" not in train_text and b"print(x)" not in train_text
   assert 3000 <= len(heldout_text) < 3000 + 1200
+  # The runner checks the files against the manifest.
+  data = tasks.read_corpus(str(out))
+  assert data.info["train"]["sha256"] == manifest["splits"]["train"]["sha256"]
+  (out / "heldout.txt.xz").write_bytes(lzma.compress(heldout_text + b"!"))
+  with pytest.raises(ValueError, match="not the one built"):
+    tasks.read_corpus(str(out))
+
+
+def test_data_windows_are_disjoint_and_each_read_once(tmp_path, monkeypatch):
+  out = _fake_corpus(tmp_path, monkeypatch)
+  task = tasks.lm(data=str(out))
+  seq = tasks.LM_SIZES["tiny"][3]
+  n = task.data["train_windows"]
+  assert n == task.data["train"]["bytes"] // (seq + 1) > 100
+  seen = []
+  batches = task.batches(3, 8)
+  for _ in range(n // 8):
+    inputs, targets = next(batches)
+    np.testing.assert_array_equal(inputs[:, 1:], targets[:, :-1])
+    seen.append(np.concatenate([inputs, targets[:, -1:]], 1))
+  with pytest.raises(ValueError, match="would see a byte twice"):
+    next(batches)
+  # Every window once: the batches' windows are (as a multiset) among the
+  # split's n disjoint windows, n // 8 * 8 of them, none twice.
+  seen = np.concatenate(seen).astype(np.uint8)
+  split = np.frombuffer(lzma.open(out / "train.txt.xz").read(), np.uint8)
+  windows = split[: n * (seq + 1)].reshape(n, seq + 1)
+  assert len(seen) == n // 8 * 8
+  assert collections.Counter(map(bytes, seen)) <= collections.Counter(
+    map(bytes, windows)
+  )
+  # Another seed, another order, the same windows.
+  other = next(task.batches(4, 8))[0]
+  assert not np.array_equal(other, seen[:8, :-1])
+
+
+def test_lm_on_a_corpus_records_its_data_and_refuses_repeats(
+  tmp_path, monkeypatch
+):
+  out = _fake_corpus(tmp_path, monkeypatch)
+  manifest = json.loads((out / "manifest.json").read_text())
+  common = ("--task", "lm", "--data", str(out), "--seeds", "0")
+  done, run = _run(
+    tmp_path,
+    *common,
+    "--steps",
+    "3",
+    "--batch-size",
+    "4",
+    "--methods",
+    "plain",
+    "--eval-every",
+    "3",
+  )
+  assert done.returncode == 0, done.stderr[-3000:]
+  results = json.loads((run / "results.json").read_text())
+  data = results["settings"]["data"]
+  assert data["train"]["sha256"] == manifest["splits"]["train"]["sha256"]
+  assert data["heldout"]["bytes"] == manifest["splits"]["heldout"]["bytes"]
+  assert data["disjoint_windows"] and data["window_bytes"] == 65
+  assert data["bytes_seen_per_run"] == 3 * 4 * 65
+  assert data["sources"] == ["fake-doc 1.0-1 (CC0)"]
+  assert f"--data {out}" in results["settings"]["command"]
+  assert "bytes seen a run (each at most once)" in done.stdout
+  assert "disjoint windows, each once" in results["task"]
+  assert math.isfinite(results["runs"][0]["evals"][-1]["heldout_loss"])
+  # One window more than the split has: refused before training.
+  steps = data["train_windows"] // 4 + 1
+  refused, _ = _run(
+    tmp_path,
+    *common,
+    "--steps",
+    str(steps),
+    "--batch-size",
+    "4",
+    name="refused",
+  )
+  assert refused.returncode != 0
+  assert "would see bytes twice" in refused.stderr
+  # Runs on other data do not merge.
+  other = json.loads((run / "results.json").read_text())
+  other["settings"]["data"]["train"]["sha256"] = "0" * 64
+  (tmp_path / "other.json").write_text(json.dumps(other))
+  merged, _ = _run(
+    tmp_path,
+    "--merge",
+    str(run / "results.json"),
+    str(tmp_path / "other.json"),
+    name="m",
+    devices=None,
+  )
+  assert merged.returncode != 0 and "same data" in merged.stderr
