@@ -9,14 +9,18 @@ call its ``main`` with the same arguments in this process (conftest.py's
 spares each a new interpreter and shares this process' compiled programs.
 """
 
+import collections
 import contextlib
+import hashlib
 import io
 import json
+import lzma
 import math
 import os
 import pathlib
 import subprocess
 import sys
+import tarfile
 from typing import NamedTuple
 
 import chex
@@ -28,6 +32,7 @@ import pytest
 
 import immgrad
 from immgrad.experiments import __main__ as runner
+from immgrad.experiments import corpus
 from immgrad.experiments import report
 from immgrad.experiments import tasks
 from immgrad.experiments import train
@@ -823,3 +828,261 @@ def test_lm_remat_leaves_training_as_it_was():
   assert (
     abs(runs[True]["a=1"].losses[-1] - runs[True]["plain"].losses[-1]) > 1e-2
   )
+
+
+# -- the corpus (immgrad.experiments.corpus) and --data --------------------
+
+_PAGE = """<html><head><title>T</title><style>p {}</style></head><body>
+<div class="related" role="navigation"><a href="x">previous</a> | next</div>
+<div class="sphinxsidebar" role="navigation"><p>Quick search</p></div>
+<div class="body" role="main"><h1>Title<a class="headerlink">&para;</a></h1>
+<p>First   paragraph, with <code>code()</code> and
+an &amp; entity.</p><pre>for x in y:\n    print(x)</pre>
+<div class="highlight-python"><div class="highlight"><pre>z = 1</pre></div></div>
+<ul><li>one</li><li>two</li></ul><script>var a = 1;</script>
+<div><div><p>Nested.</p></div></div></div>
+<div class="footer">Copyright.</div></body></html>"""
+
+
+def test_corpus_html_text_keeps_the_main_content_prose():
+  text = corpus.html_text(_PAGE)
+  assert text.split("\n\n") == [
+    "Title",
+    "First paragraph, with code() and an & entity.",
+    "one",
+    "two",
+    "Nested.",
+  ]
+  # Without role="main": the body, navigation and code still dropped.
+  plain = corpus.html_text(_PAGE.replace('role="main"', ""))
+  assert plain.split("\n\n")[0] == "Title" and "Quick" not in plain
+  assert "previous" not in plain and "Copyright" not in plain
+
+
+def _words(seed, n):
+  rng = np.random.default_rng(seed)
+  vocab = "the a of to in data byte run step model rate loss layer".split()
+  return " ".join(rng.choice(vocab, n))
+
+
+def _documents(n=40):
+  boiler = "This paragraph repeats on every page of the doc set, word for word."
+  return [
+    corpus.Document(
+      f"pkg/page{i:02d}.html",
+      f"{_words(i, 60)}\n\n{boiler}\n\nShort heading\n\n{_words(100 + i, 40)}",
+    )
+    for i in range(n)
+  ]
+
+
+def test_corpus_split_dedupes_and_holds_out_whole_documents():
+  docs = _documents()
+  docs.append(corpus.Document("pkg/tiny.html", "Too short to keep."))
+  docs.append(corpus.Document("pkg/zh.html", "\u6587\u6863" * 200))
+  docs.append(corpus.Document("pkg/again.html", docs[3].text))  # A copy.
+  result = corpus.split(docs, heldout_bytes=2_000)
+  dropped = result.dropped
+  assert dropped["short_documents"] == 2  # tiny, and the copy once deduped.
+  assert dropped["non_ascii_documents"] == 1
+  # The boilerplate paragraph (>= 64 characters) is kept once, in page00
+  # (the first); a short one repeats.
+  everything = result.train + result.heldout
+  boiler = "This paragraph repeats"
+  assert sum(d.text.count(boiler) for d in everything) == 1
+  assert sum(d.text.count("Short heading") for d in everything) == 40
+  # The boilerplate in pages 1 to 39; the copy's three long paragraphs.
+  assert dropped["repeated_paragraphs"] == 39 + 3
+  # Whole documents held out: none in both, no long paragraph in both.
+  train_names = {d.name for d in result.train}
+  heldout_names = {d.name for d in result.heldout}
+  assert not train_names & heldout_names
+  assert train_names | heldout_names == {
+    f"pkg/page{i:02d}.html" for i in range(40)
+  }
+  assert 2_000 <= len(corpus.joined(result.heldout)) < 2_000 + 800
+  long = lambda ds: {
+    p for d in ds for p in d.text.split("\n\n") if len(p) >= 64
+  }
+  assert not long(result.train) & long(result.heldout)
+  # The held-out choice hangs on the names alone, not on the order.
+  again = corpus.split(_documents()[::-1][:-1] + _documents()[:1], 2_000)
+  assert {d.name for d in again.heldout} == heldout_names
+  # The training split keeps the order given.
+  assert [d.name for d in result.train] == sorted(train_names)
+
+
+def _tar_xz(files: dict) -> bytes:
+  buffer = io.BytesIO()
+  with tarfile.open(fileobj=buffer, mode="w:xz") as tar:
+    for name, data in files.items():
+      info = tarfile.TarInfo(name)
+      info.size = len(data)
+      tar.addfile(info, io.BytesIO(data))
+  return buffer.getvalue()
+
+
+def _deb(path, package, version, files):
+  """A minimal .deb: ar with debian-binary, control.tar.xz, data.tar.xz."""
+  members = [
+    ("debian-binary", b"2.0\n"),
+    (
+      "control.tar.xz",
+      _tar_xz(
+        {"./control": f"Package: {package}\nVersion: {version}\n".encode()}
+      ),
+    ),
+    ("data.tar.xz", _tar_xz({f"./{k}": v for k, v in files.items()})),
+  ]
+  with open(path, "wb") as f:
+    f.write(b"!<arch>\n")
+    for name, data in members:
+      f.write(
+        f"{name:<16}{0:<12}{0:<6}{0:<6}{100644:<8}{len(data):<10}`\n".encode()
+      )
+      f.write(data + b"\n" * (len(data) % 2))
+
+
+def _fake_corpus(tmp_path, monkeypatch, pages=60):
+  """A corpus built by ``corpus build`` from a fake documentation .deb."""
+  debs = tmp_path / "debs"
+  debs.mkdir()
+  files = {
+    f"usr/share/doc/fake/html/p{i:02d}.html": _PAGE.replace(
+      "Nested.", _words(i, 120)
+    ).encode()
+    for i in range(pages)
+  }
+  files["usr/share/doc/fake/html/genindex.html"] = _PAGE.encode()
+  files["usr/share/doc/fake/other.txt"] = b"not a page"
+  _deb(debs / "fake-doc_1.0-1_all.deb", "fake-doc", "1.0-1", files)
+  source = corpus.Source(
+    "fake-doc",
+    "1.0-1",
+    "CC0",
+    "usr/share/doc/fake/html/",
+    corpus._SPHINX_PAGES,  # pylint: disable=protected-access
+  )
+  monkeypatch.setattr(corpus, "SOURCES", (source,))
+  out = tmp_path / "corpus"
+  argv = ["build", "--out", str(out), "--debs", str(debs)]
+  assert corpus.main([*argv, "--heldout-bytes", "3000"]) == 0
+  return out
+
+
+def test_corpus_build_writes_splits_and_a_manifest_that_match(
+  tmp_path, monkeypatch
+):
+  out = _fake_corpus(tmp_path, monkeypatch)
+  manifest = json.loads((out / "manifest.json").read_text())
+  (source,) = manifest["sources"]
+  assert (source["package"], source["version"], source["pages"]) == (
+    "fake-doc",
+    "1.0-1",
+    60,  # genindex.html and other.txt left out.
+  )
+  train_text = lzma.open(out / "train.txt.xz").read()
+  heldout_text = lzma.open(out / "heldout.txt.xz").read()
+  for name, data in (("train", train_text), ("heldout", heldout_text)):
+    split = manifest["splits"][name]
+    assert split["bytes"] == len(data)
+    assert split["sha256"] == hashlib.sha256(data).hexdigest()
+  # "Title" and the list items are short; "First paragraph..." is under 64
+  # characters too: every page keeps them; the 120 words are its own.
+  assert train_text.count(b"First paragraph, with code()") == 60 - len(
+    manifest["heldout_documents"]
+  )
+  assert b"Quick search" not in train_text and b"print(x)" not in train_text
+  assert 3000 <= len(heldout_text) < 3000 + 1200
+  # The runner checks the files against the manifest.
+  data = tasks.read_corpus(str(out))
+  assert data.info["train"]["sha256"] == manifest["splits"]["train"]["sha256"]
+  (out / "heldout.txt.xz").write_bytes(lzma.compress(heldout_text + b"!"))
+  with pytest.raises(ValueError, match="not the one built"):
+    tasks.read_corpus(str(out))
+
+
+def test_data_windows_are_disjoint_and_each_read_once(tmp_path, monkeypatch):
+  out = _fake_corpus(tmp_path, monkeypatch)
+  task = tasks.lm(data=str(out))
+  seq = tasks.LM_SIZES["tiny"][3]
+  n = task.data["train_windows"]
+  assert n == task.data["train"]["bytes"] // (seq + 1) > 100
+  seen = []
+  batches = task.batches(3, 8)
+  for _ in range(n // 8):
+    inputs, targets = next(batches)
+    np.testing.assert_array_equal(inputs[:, 1:], targets[:, :-1])
+    seen.append(np.concatenate([inputs, targets[:, -1:]], 1))
+  with pytest.raises(ValueError, match="would see a byte twice"):
+    next(batches)
+  # Every window once: the batches' windows are (as a multiset) among the
+  # split's n disjoint windows, n // 8 * 8 of them, none twice.
+  seen = np.concatenate(seen).astype(np.uint8)
+  split = np.frombuffer(lzma.open(out / "train.txt.xz").read(), np.uint8)
+  windows = split[: n * (seq + 1)].reshape(n, seq + 1)
+  assert len(seen) == n // 8 * 8
+  assert collections.Counter(map(bytes, seen)) <= collections.Counter(
+    map(bytes, windows)
+  )
+  # Another seed, another order, the same windows.
+  other = next(task.batches(4, 8))[0]
+  assert not np.array_equal(other, seen[:8, :-1])
+
+
+def test_lm_on_a_corpus_records_its_data_and_refuses_repeats(
+  tmp_path, monkeypatch
+):
+  out = _fake_corpus(tmp_path, monkeypatch)
+  manifest = json.loads((out / "manifest.json").read_text())
+  common = ("--task", "lm", "--data", str(out), "--seeds", "0")
+  done, run = _run(
+    tmp_path,
+    *common,
+    "--steps",
+    "3",
+    "--batch-size",
+    "4",
+    "--methods",
+    "plain",
+    "--eval-every",
+    "3",
+  )
+  assert done.returncode == 0, done.stderr[-3000:]
+  results = json.loads((run / "results.json").read_text())
+  data = results["settings"]["data"]
+  assert data["train"]["sha256"] == manifest["splits"]["train"]["sha256"]
+  assert data["heldout"]["bytes"] == manifest["splits"]["heldout"]["bytes"]
+  assert data["disjoint_windows"] and data["window_bytes"] == 65
+  assert data["bytes_seen_per_run"] == 3 * 4 * 65
+  assert data["sources"] == ["fake-doc 1.0-1 (CC0)"]
+  assert f"--data {out}" in results["settings"]["command"]
+  assert "bytes seen a run (each at most once)" in done.stdout
+  assert "disjoint windows, each once" in results["task"]
+  assert math.isfinite(results["runs"][0]["evals"][-1]["heldout_loss"])
+  # One window more than the split has: refused before training.
+  steps = data["train_windows"] // 4 + 1
+  refused, _ = _run(
+    tmp_path,
+    *common,
+    "--steps",
+    str(steps),
+    "--batch-size",
+    "4",
+    name="refused",
+  )
+  assert refused.returncode != 0
+  assert "would see bytes twice" in refused.stderr
+  # Runs on other data do not merge.
+  other = json.loads((run / "results.json").read_text())
+  other["settings"]["data"]["train"]["sha256"] = "0" * 64
+  (tmp_path / "other.json").write_text(json.dumps(other))
+  merged, _ = _run(
+    tmp_path,
+    "--merge",
+    str(run / "results.json"),
+    str(tmp_path / "other.json"),
+    name="m",
+    devices=None,
+  )
+  assert merged.returncode != 0 and "same data" in merged.stderr

@@ -171,6 +171,15 @@ def parse(argv):
     "Python standard library's source",
   )
   p.add_argument(
+    "--data",
+    default=None,
+    metavar="FOLDER",
+    help="chars, deep_transformer and lm: train on the corpus in "
+    "FOLDER (train.txt.xz and heldout.txt.xz, built by python -m "
+    "immgrad.experiments.corpus build), each training byte at most "
+    "once: a run that would need more is refused",
+  )
+  p.add_argument(
     "--quick",
     action="store_true",
     help="a short run (about a quarter of the steps)",
@@ -226,10 +235,19 @@ def _train(args):
     raise SystemExit(
       "immgrad.experiments: --size and --remat are for --task lm only."
     )
+  if (args.text or args.data) and args.task not in tasks_lib.TEXT_TASKS:
+    raise SystemExit(
+      "immgrad.experiments: --text and --data are for the text tasks "
+      f"({', '.join(tasks_lib.TEXT_TASKS)}) only."
+    )
+  if args.text and args.data:
+    raise SystemExit("immgrad.experiments: give --text or --data, not both.")
   if args.task == "lm":
-    task = tasks_lib.lm(args.text, args.size or "tiny", remat=args.remat)
+    task = tasks_lib.lm(
+      args.text, args.size or "tiny", remat=args.remat, data=args.data
+    )
   elif args.task in tasks_lib.TEXT_TASKS:
-    task = tasks_lib.TASKS[args.task](args.text)
+    task = tasks_lib.TASKS[args.task](args.text, data=args.data)
   else:
     task = tasks_lib.TASKS[args.task]()
   optimizer = args.optimizer or task.default_optimizer
@@ -273,6 +291,8 @@ def _train(args):
     measure_dx=args.measure_dx,
     lr_sweep=args.lr_sweep,
   )
+  if task.data is not None:
+    settings["data"] = _data_record(task.data, steps, batch_size)
   settings["command"] = _command(args, settings)
   print(f"task: {task.description}", file=sys.stderr)
   print(f"settings: {settings}", file=sys.stderr)
@@ -307,6 +327,34 @@ def _train(args):
   return run, info
 
 
+def _data_record(data: dict, steps: int, batch_size: int) -> dict:
+  """What one run reads: the splits' sizes and sha256, the bytes it sees.
+
+  ``bytes_seen_per_run`` counts every byte of every window it trains on
+  (``seq + 1`` a window: the inputs and the last target);
+  ``passes_over_train`` is that over the training split's size. From a
+  corpus (``--data``) a run that would see a byte twice is refused.
+  """
+  windows = steps * batch_size
+  record = dict(
+    data,
+    windows_per_run=windows,
+    bytes_seen_per_run=windows * data["window_bytes"],
+    passes_over_train=round(
+      windows * data["window_bytes"] / data["train"]["bytes"], 4
+    ),
+  )
+  if data["disjoint_windows"] and windows > data["train_windows"]:
+    raise SystemExit(
+      f"immgrad.experiments: {steps} steps of {batch_size} windows need "
+      f"{windows:,} windows ({record['bytes_seen_per_run']:,} bytes); the "
+      f"corpus' training split has {data['train_windows']:,} "
+      f"({data['train']['bytes']:,} bytes): this run would see bytes "
+      "twice. Train fewer steps, or build a larger corpus."
+    )
+  return record
+
+
 def _command(args, settings: dict) -> str:
   """The one command that repeats this run, every default spelled out."""
   words = ["python -m immgrad.experiments", f"--task {args.task}"]
@@ -316,6 +364,8 @@ def _command(args, settings: dict) -> str:
     words.append("--remat")
   if args.text:
     words.append(f"--text {args.text}")
+  if args.data:
+    words.append(f"--data {args.data}")
   words += [
     f"--optimizer {settings['optimizer']}",
     f"--lr {settings['lr']!r}",
@@ -367,6 +417,20 @@ def _load(args):
           f"{first['settings'][key]!r}: only runs with the same settings "
           "merge."
         )
+    if None in (_data_key(other), _data_key(first)):
+      if _data_key(other) != _data_key(first):  # Made before it was kept.
+        print(
+          f"immgrad.experiments --merge: WARNING: {path} or "
+          f"{args.merge[0]} does not record the data it read; merged as "
+          "if the same.",
+          file=sys.stderr,
+        )
+    elif _data_key(other) != _data_key(first):
+      raise SystemExit(
+        f"immgrad.experiments --merge: {path} read the data (train, "
+        f"held-out sha256) {_data_key(other)}, {args.merge[0]} "
+        f"{_data_key(first)}: only runs on the same data merge."
+      )
   run, methods, modes = {}, {}, set()
   for path, payload in zip(args.merge, loaded):
     modes |= set(payload["settings"]["modes"] or [])
@@ -428,6 +492,31 @@ def _load(args):
   return run, info
 
 
+def _data_line(data: dict | None) -> list[str]:
+  if data is None:
+    return []
+  seen = data["bytes_seen_per_run"]
+  how = (
+    "each at most once"
+    if data["disjoint_windows"]
+    else "random windows, bytes repeat"
+  )
+  return [
+    f"data: {seen:,} bytes seen a run ({how}), "
+    f"{data['passes_over_train']:.3g} passes over the "
+    f"{data['train']['bytes']:,} training bytes; "
+    f"{data['heldout']['bytes']:,} held out"
+  ]
+
+
+def _data_key(payload: dict):
+  """The training and held-out sha256 a run read (None: not recorded)."""
+  data = payload["settings"].get("data")
+  if data is None:
+    return None
+  return (data["train"]["sha256"], data["heldout"]["sha256"])
+
+
 def _report(args, run, info, out):
   """Summaries, tables, checks, results.json and plots of ``run``."""
   settings, unit, name = info["settings"], info["loss_unit"], info["name"]
@@ -475,6 +564,7 @@ def _report(args, run, info, out):
     f"{settings['optimizer']}, lr {lr:g}, {steps} steps, batch "
     f"{settings['batch_size']} over {settings['devices']} devices, "
     f"seeds {settings['seeds']}",
+    *_data_line(settings.get("data")),
     "",
     report.table(aggregates[lr], unit),
     "",

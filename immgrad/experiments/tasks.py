@@ -26,6 +26,9 @@ baseline trains the very same function.
 import dataclasses
 import functools
 import glob
+import hashlib
+import json
+import lzma
 import math
 import os
 import sysconfig
@@ -54,6 +57,8 @@ class Task:
   loss_scale: float  # Training loss (nats) x loss_scale = reported loss.
   default_lr: dict  # optimizer name -> learning rate
   default_optimizer: str = "adam"
+  # Text tasks: what the run reads (:func:`_text_task`); None for the rest.
+  data: dict | None = None
 
 
 def _epochs(n: int, seed: int, size: int) -> Iterator[np.ndarray]:
@@ -232,8 +237,12 @@ def _stdlib_text(limit: int) -> tuple[bytes, str]:
   return b"\n".join(parts)[:limit], f"Python standard library ({root})"
 
 
-def chars(text: str | None = None, limit: int = 2_000_000) -> Task:
-  """A byte-level transformer LM; the last 10% of the text is held out."""
+def chars(
+  text: str | None = None, limit: int = 2_000_000, data: str | None = None
+) -> Task:
+  """A byte-level transformer LM; the last 10% of the text is held out (or
+  the corpus folder ``data``'s held-out split).
+  """
   return _text_task(
     "chars",
     text,
@@ -243,10 +252,13 @@ def chars(text: str | None = None, limit: int = 2_000_000) -> Task:
     f"byte-level transformer LM ({LAYERS} blocks, d_model {D_MODEL}, "
     f"{HEADS} heads, context {SEQ})",
     default_lr={"sgd": 0.3, "momentum": 0.1, "adam": 3e-3, "adamw": 3e-3},
+    data=data,
   )
 
 
-def deep_transformer(text: str | None = None, limit: int = 2_000_000) -> Task:
+def deep_transformer(
+  text: str | None = None, limit: int = 2_000_000, data: str | None = None
+) -> Task:
   """The chars LM, 12 narrow blocks deep, the blocks under hk.layer_stack."""
   return _text_task(
     "deep_transformer",
@@ -258,7 +270,80 @@ def deep_transformer(text: str | None = None, limit: int = 2_000_000) -> Task:
     f"hk.layer_stack, d_model {DEEP_D_MODEL}, {DEEP_HEADS} heads, context "
     f"{DEEP_SEQ})",
     default_lr={"sgd": 0.1, "momentum": 0.1, "adam": 3e-3, "adamw": 3e-3},
+    data=data,
   )
+
+
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+  """A corpus folder's two splits (``immgrad.experiments.corpus``)."""
+
+  train: bytes
+  heldout: bytes
+  info: dict  # path, bytes and sha256 of each split, the manifest's sources
+
+
+def _read_split(folder: str, name: str) -> tuple[bytes, str]:
+  for file in (f"{name}.txt.xz", f"{name}.txt"):
+    path = os.path.join(folder, file)
+    if os.path.exists(path):
+      if file.endswith(".xz"):
+        with lzma.open(path) as f:
+          return f.read(), path
+      with open(path, "rb") as f:
+        return f.read(), path
+  raise FileNotFoundError(
+    f"--data {folder}: no {name}.txt.xz or {name}.txt in it; build one "
+    "with python -m immgrad.experiments.corpus build --out FOLDER."
+  )
+
+
+def read_corpus(folder: str) -> Corpus:
+  """``train.txt[.xz]`` and ``heldout.txt[.xz]`` of ``folder``, checked.
+
+  Each split's sha256 is computed here; where the folder has the
+  ``manifest.json`` its build wrote, the sizes and sha256 must match it.
+  """
+  train, train_path = _read_split(folder, "train")
+  heldout, heldout_path = _read_split(folder, "heldout")
+  info = dict(path=folder, sources=None)
+  for name, data, path in (
+    ("train", train, train_path),
+    ("heldout", heldout, heldout_path),
+  ):
+    info[name] = dict(
+      file=os.path.basename(path),
+      bytes=len(data),
+      sha256=hashlib.sha256(data).hexdigest(),
+    )
+  manifest_path = os.path.join(folder, "manifest.json")
+  if os.path.exists(manifest_path):
+    with open(manifest_path) as f:
+      manifest = json.load(f)
+    for name in ("train", "heldout"):
+      want = manifest["splits"][name]
+      if (want["bytes"], want["sha256"]) != (
+        info[name]["bytes"],
+        info[name]["sha256"],
+      ):
+        raise ValueError(
+          f"--data {folder}: {info[name]['file']} has {info[name]['bytes']:,} "
+          f"bytes, sha256 {info[name]['sha256'][:12]}..., but manifest.json "
+          f"says {want['bytes']:,} bytes, {want['sha256'][:12]}...: the "
+          "file is not the one built; rebuild the corpus."
+        )
+    info["sources"] = [
+      f"{s['package']} {s['version']} ({s['licence']})"
+      for s in manifest["sources"]
+    ]
+  if not train or not heldout:
+    raise ValueError(f"--data {folder}: a split is empty.")
+  return Corpus(train, heldout, info)
+
+
+# Held-out windows evaluated with --data (in chunks of EVAL_CHUNK windows):
+# 1,024 x 513 bytes, about 0.5 MB of the held-out split.
+HELDOUT_EVAL_WINDOWS, EVAL_CHUNK = 1024, 128
 
 
 def _text_task(
@@ -271,28 +356,57 @@ def _text_task(
   default_lr,
   compute_dtype=None,
   default_optimizer="adam",
+  data=None,
 ) -> Task:
-  """A byte-level LM task on ``text`` (default: the standard library)."""
-  if text is None:
-    data, source = _stdlib_text(limit)
+  """A byte-level LM task on ``text`` (default: the standard library), or
+  on the corpus folder ``data`` (:func:`read_corpus`).
+
+  From ``text``, the last 10% is held out and batches are windows of the
+  training part at random offsets: a run may see a byte many times. From
+  ``data``, the training split is cut into disjoint windows of ``seq + 1``
+  bytes, each seed's run reads them in its own random order, each once,
+  and asks for no more (:func:`_disjoint_batches`); held-out loss is over
+  ``HELDOUT_EVAL_WINDOWS`` disjoint windows of the held-out split.
+  """
+  if data is not None and text is not None:
+    raise ValueError("give a text or a corpus folder (data), not both.")
+  if data is not None:
+    corpus = read_corpus(data)
+    train = np.frombuffer(corpus.train, np.uint8)
+    heldout = np.frombuffer(corpus.heldout, np.uint8)
+    source = f"the corpus {data}"
+    info = dict(corpus.info, disjoint_windows=True)
   else:
-    with open(text, "rb") as f:
-      data, source = f.read()[:limit], text
-  tokens = np.frombuffer(data, np.uint8).astype(np.int32)
-  if len(tokens) < 20 * (seq + 1):
-    raise ValueError(
-      f"the text {source!r} is too short: {len(tokens)} "
-      f"bytes, need at least {20 * (seq + 1)}."
+    if text is None:
+      raw, source = _stdlib_text(limit)
+    else:
+      with open(text, "rb") as f:
+        raw, source = f.read()[:limit], text
+    tokens = np.frombuffer(raw, np.uint8)
+    split = int(0.9 * len(tokens))
+    train, heldout = tokens[:split], tokens[split:]
+    info = dict(
+      path=text or source,
+      train=dict(bytes=len(train), sha256=hashlib.sha256(train).hexdigest()),
+      heldout=dict(
+        bytes=len(heldout), sha256=hashlib.sha256(heldout).hexdigest()
+      ),
+      disjoint_windows=False,
     )
-  split = int(0.9 * len(tokens))
-  train, heldout = tokens[:split], tokens[split:]
+  if len(train) + len(heldout) < 20 * (seq + 1) or len(heldout) <= seq + 1:
+    raise ValueError(
+      f"the text {source!r} is too short: {len(train) + len(heldout)} "
+      f"bytes ({len(heldout)} held out), need at least {20 * (seq + 1)} "
+      f"({seq + 2} held out)."
+    )
+  info.update(window_bytes=seq + 1, train_windows=len(train) // (seq + 1))
   model = hk.without_apply_rng(
     hk.transform(immgrad.haiku.immediate(forward, compute_dtype=compute_dtype))
   )
 
   def windows(stream, starts):
     index = starts[:, None] + np.arange(seq + 1)[None]
-    chunk = stream[index]
+    chunk = stream[index].astype(np.int32)
     return chunk[:, :-1], chunk[:, 1:]
 
   def loss_fn(params, inputs, targets):
@@ -304,28 +418,50 @@ def _text_task(
   eval_loss = jax.jit(loss_fn)
   fixed = np.random.default_rng(0)
   train_eval = windows(train, fixed.integers(0, len(train) - seq - 1, 128))
-  heldout_eval = windows(
-    heldout, fixed.integers(0, len(heldout) - seq - 1, 128)
-  )
+  if data is None:
+    heldout_eval = [
+      windows(heldout, fixed.integers(0, len(heldout) - seq - 1, 128))
+    ]
+  else:
+    n = len(heldout) // (seq + 1)
+    n = min(HELDOUT_EVAL_WINDOWS, n - n % EVAL_CHUNK) or n
+    starts = np.sort(fixed.permutation(len(heldout) // (seq + 1))[:n])
+    heldout_eval = [
+      windows(heldout, starts[i : i + EVAL_CHUNK] * (seq + 1))
+      for i in range(0, n, EVAL_CHUNK)
+    ]
+    info["heldout_eval_windows"] = n
   bits = 1 / math.log(2)
 
   def evaluate(params):
+    heldout_loss = np.mean([float(eval_loss(params, *w)) for w in heldout_eval])
     return {
       "train_loss": float(eval_loss(params, *train_eval)) * bits,
-      "heldout_loss": float(eval_loss(params, *heldout_eval)) * bits,
+      "heldout_loss": float(heldout_loss) * bits,
     }
 
   def batches(seed, size):
+    if data is not None:
+      yield from _disjoint_batches(train, seq, seed, size, windows)
+      return
     rng = np.random.default_rng(seed)
     while True:
       yield windows(train, rng.integers(0, len(train) - seq - 1, size))
 
+  if data is None:
+    description = (
+      f"{model_description} on {len(train) + len(heldout):,} bytes of "
+      f"{source}, last 10% held out"
+    )
+  else:
+    description = (
+      f"{model_description} on {source} ({len(train):,} training bytes, "
+      f"{len(heldout):,} held out, sha256 {info['train']['sha256'][:12]} "
+      f"and {info['heldout']['sha256'][:12]}), disjoint windows, each once"
+    )
   return Task(
     name=name,
-    description=(
-      f"{model_description} on {len(tokens):,} bytes of "
-      f"{source}, last 10% held out"
-    ),
+    description=description,
     init=lambda seed: model.init(jax.random.PRNGKey(seed), train_eval[0]),
     loss_fn=loss_fn,
     batches=batches,
@@ -334,6 +470,21 @@ def _text_task(
     loss_scale=bits,
     default_lr=default_lr,
     default_optimizer=default_optimizer,
+    data=info,
+  )
+
+
+def _disjoint_batches(train, seq, seed, size, windows) -> Iterator[tuple]:
+  """Batches of ``size`` disjoint ``seq + 1``-byte windows of ``train``,
+  in the seed's order, each window once; then an error, not a repeat.
+  """
+  n = len(train) // (seq + 1)
+  order = np.random.default_rng(seed).permutation(n)
+  for i in range(n // size):
+    yield windows(train, order[i * size : (i + 1) * size] * (seq + 1))
+  raise ValueError(
+    f"the corpus' training split has {n:,} windows of {seq + 1} bytes, "
+    f"{n // size:,} batches of {size}: one more would see a byte twice."
   )
 
 
@@ -393,6 +544,7 @@ def lm(
   size: str = "tiny",
   compute_dtype: Any | None = "auto",
   remat: bool = False,
+  data: str | None = None,
 ) -> Task:
   """A GPT-style byte-level LM (``LM_SIZES``); last 10% of the text held out.
 
@@ -400,7 +552,8 @@ def lm(
   accelerator (float32 weights and optimizer state), else float32; or
   ``None`` (float32) or a dtype. Every method trains the same arithmetic.
   Default optimizer adamw (see ``train.optimizer``). ``tiny`` reads 2 MB
-  of the standard library, the others all its top-level source files.
+  of the standard library, the others all its top-level source files;
+  ``data``: a corpus folder instead (:func:`read_corpus`), each byte once.
   ``remat``: every block under ``hk.remat`` (less memory, ~23% more FLOPs).
   """
   if size not in LM_SIZES:
@@ -429,6 +582,7 @@ def lm(
     default_lr={"sgd": 0.3, "momentum": 0.1, "adam": lr, "adamw": lr},
     compute_dtype=compute_dtype,
     default_optimizer="adamw",
+    data=data,
   )
 
 
