@@ -262,6 +262,7 @@ class _Fold:
 
   layer: _Node
   reads: frozenset  # Its parameter leaves.
+  penalised: frozenset  # Those of them in terms.
   terms: list  # The terms' value numbers, computed inside the layer.
   outer: list  # The numbers of the layer's extra outputs, the same values.
   users: list  # (node, input position): the terms' uses, to read outer.
@@ -287,7 +288,7 @@ def _plan(program: _Program, params: dict, paths: list) -> _Plan:
     if not failed:
       break
     for key, reason in failed.items():
-      why.update((leaf, reason) for leaf in folds.pop(key).reads)
+      why.update((leaf, reason) for leaf in folds.pop(key).penalised)
   plan.ordinary.update(
     (leaf, reason) for leaf, reason in why.items() if leaf in plan.ordinary
   )
@@ -454,6 +455,9 @@ def _folds(program: _Program, uses: _Uses):
       use for leaf in reads for use in uses.sinks[leaf] if use != (layer, None)
     ]
     meets = [node for node, _ in others if node is not None]
+    penalised = frozenset(
+      leaf for leaf in reads if uses.sinks[leaf] != [(layer, None)]
+    )
     if not meets or len(meets) < len(others):
       continue
     if not all(_meets_as_term(node, uses.taint) for node in meets):
@@ -466,9 +470,9 @@ def _folds(program: _Program, uses: _Uses):
         f"is not folded into a loop's steps: move the term into the "
         f"optimizer (optax.add_decayed_weights)"
       )
-      why.update((leaf, reason) for leaf in reads)
+      why.update((leaf, reason) for leaf in penalised)
       continue
-    fold = _fold(layer, reads, program, uses.taint, consumers)
+    fold = _fold(layer, reads, penalised, program, uses.taint, consumers)
     if any(
       v not in program.avals or program.avals[v].shape for v in fold.terms
     ):
@@ -478,7 +482,7 @@ def _folds(program: _Program, uses: _Uses):
         f"number, so the term cannot be split among the layers' steps (a "
         f"term such as `sum(w ** 2)` can)"
       )
-      why.update((leaf, reason) for leaf in reads)
+      why.update((leaf, reason) for leaf in penalised)
       continue
     folds[id(layer)] = fold
   return folds, why
@@ -498,7 +502,7 @@ def _meets_as_term(node: _Node, taint: dict) -> bool:
   )
 
 
-def _fold(layer: _Node, reads, program: _Program, taint: dict, consumers):
+def _fold(layer: _Node, reads, penalised, program, taint: dict, consumers):
   """``layer``'s terms: values from ``reads`` alone that other nodes use."""
   inside = {n for n, t in taint.items() if t and t <= reads}
 
@@ -521,7 +525,7 @@ def _fold(layer: _Node, reads, program: _Program, taint: dict, consumers):
       terms.append(v)
       users.extend(found)
   outer = [next(program.counter) for _ in terms]
-  return _Fold(layer, reads, terms, outer, users)
+  return _Fold(layer, reads, penalised, terms, outer, users)
 
 
 def _rewire(program: _Program, folds: dict) -> None:
