@@ -42,10 +42,13 @@ _MIXED = (
   "parameter {path} is used by immediate layer {layer!r} and also by an "
   "ordinary operation in the loss: tied weights (an embedding reused for "
   "the logits) or a term such as an L2 penalty. The layer would step it "
-  "from its own part of the gradient only. For weight decay, drop the "
-  "loss term and use optax.add_decayed_weights or optax.adamw; for tied "
-  "weights, leave that layer's module class out of `modules=` (adapters) "
-  "or do not decorate it, so that the parameter trains ordinarily."
+  "from its own part of the gradient only. For an L2 term, wrap the whole "
+  "loss, term included, in immgrad.immediate(loss_fn) (with the model "
+  "undecorated: a plain hk.transform), which folds the term into each "
+  "layer's step, or drop the term and use optax.add_decayed_weights; for "
+  "tied weights, leave that layer's module class out of `modules=` "
+  "(adapters) or do not decorate it, so that the parameter trains "
+  "ordinarily."
 )
 
 
