@@ -15,12 +15,14 @@ then it runs as ``immediate_layer(lambda x, raw: prim(x, preprocess(raw)))``
 on the very leaves the step handed in, so ``mode="updated"`` takes dX at the
 processed new weights. Every other equation runs as traced.
 
-A leaf that reaches two layers (tied embeddings), a loop that reuses it
-every iteration (a ``lax.scan`` closing over it), the function's output or
-a parameter-only term combined with the loss (an L2 penalty, which is then
-a layer of its own) keeps an ordinary gradient, as does every leaf its
-layer reads with it, and a layer inside a ``jax.checkpoint`` that is handed
-weights computed outside it. :func:`layers` reports each leaf's fate.
+A parameter-only term combined with the loss (an L2 penalty) is folded
+into the layers whose leaves it reads: each returns its own part of it
+(see ``_plan``). A leaf that reaches two layers (tied embeddings), a loop
+that reuses it every iteration (a ``lax.scan`` closing over it), the
+function's output or a term that cannot be folded keeps an ordinary
+gradient, as does every leaf its layer reads with it, and a layer inside
+a ``jax.checkpoint`` that is handed weights computed outside it.
+:func:`layers` reports each leaf's fate.
 Parameters combined with activations inside ``cond``, ``switch`` or
 ``while_loop`` are refused; in a ``scan``'s carry or inside other
 transformations that keep an inner program, not supported yet.
