@@ -18,6 +18,7 @@ ordinary is caught by asserting which leaves were stepped immediately.
 
 import re
 
+import chex
 import jax
 from jax import lax
 import jax.numpy as jnp
@@ -329,6 +330,36 @@ def test_l2_term_under_a_checkpoint_and_scaled_by_an_argument_folds():
       auto_loss, opt(), params, data, mode="current"
     )
     oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
+
+
+def test_l2_term_also_returned_as_aux_folds():
+  """A loss that returns its L2 term for logging (``has_aux``)."""
+  chain, params = oracles.mlp([6, 16, 3], jax.random.PRNGKey(0))
+  (x, y), *_ = oracles.batches(jax.random.PRNGKey(1), 1, (8, 6), (8, 3))
+
+  def loss_fn(params, x, y):
+    l2 = sum(jnp.sum(w**2) for w in jax.tree.leaves(params))
+    return chain.loss_fn()(params, x, y) + WD * l2, {"l2": l2}
+
+  table = immgrad.layers(loss_fn, params, x, y)
+  assert all(row.layer is not None for row in table), table
+  opt = optax.adam(1e-2)
+  tx = immgrad.shim(opt)
+  (loss, aux), grads = immgrad.value_and_grad(
+    immgrad.immediate(loss_fn), tx, mode="current", has_aux=True
+  )(params, tx.init(params), x, y)
+  updates, _ = tx.update(grads, tx.init(params), params)
+  (want_loss, want_aux), plain = jax.value_and_grad(loss_fn, has_aux=True)(
+    params, x, y
+  )
+  want, _ = opt.update(plain, opt.init(params), params)
+  chex.assert_trees_all_close(
+    (loss, aux, updates), (want_loss, want_aux, want), atol=ATOL, rtol=RTOL
+  )
+  is_immediate = lambda g: isinstance(g, immgrad.ImmediateGrad)
+  assert all(
+    jax.tree.leaves(jax.tree.map(is_immediate, grads, is_leaf=is_immediate))
+  )
 
 
 def test_terms_that_cannot_fold_stay_ordinary_and_say_why():

@@ -142,6 +142,7 @@ class _Program:
   out_tree: Any
   avals: dict  # number -> abstract value, for the equations' outputs.
   counter: Any  # Numbers the values of inner programs (scan bodies).
+  wired: Any = None  # outs as traced, before folding rewires them.
 
 
 def _trace(fun, leaves, treedef) -> _Program:
@@ -240,6 +241,7 @@ class _Plan:
 
 
 _ACT = None  # The taint of a value that depends on an activation.
+_RETURNED = "returned by the function"
 
 # Where a parameter-only term may meet the activations and still fold into
 # its layers' steps: added to the loss, or scaled by a number (a weight
@@ -333,7 +335,7 @@ def _follow(program: _Program, params: dict, paths: list) -> _Uses:
       taint[n] = _ACT if act else reads
   for v in program.outs:
     for leaf in _taint_of(taint, v) or ():
-      sinks[leaf].append((None, "returned by the function"))
+      sinks[leaf].append((None, _RETURNED))
   return _Uses(taint, sinks, layers, scans, stacked)
 
 
@@ -457,10 +459,11 @@ def _folds(program: _Program, uses: _Uses):
       use for leaf in reads for use in uses.sinks[leaf] if use != (layer, None)
     ]
     meets = [node for node, _ in others if node is not None]
+    returned = [why for _, why in others if why == _RETURNED]
     penalised = frozenset(
       leaf for leaf in reads if uses.sinks[leaf] != [(layer, None)]
     )
-    if not meets or len(meets) < len(others):
+    if not meets or len(meets) + len(returned) < len(others):
       continue
     if not all(_meets_as_term(node, uses.taint) for node in meets):
       continue
@@ -522,6 +525,10 @@ def _fold(layer: _Node, reads, penalised, program, taint: dict, consumers):
       if not own(node)
       for i, u in enumerate(node.ins)
       if not isinstance(u, jex_core.Literal) and u == v
+    ] + [  # Returned too (an aux output): the program's outputs.
+      (None, i)
+      for i, u in enumerate(program.outs)
+      if not isinstance(u, jex_core.Literal) and u == v
     ]
     if found:
       terms.append(v)
@@ -535,6 +542,9 @@ def _rewire(program: _Program, folds: dict) -> None:
 
   Undoes the rewiring of the layers no longer folded.
   """
+  if program.wired is None:
+    program.wired = list(program.outs)
+  program.outs = list(program.wired)
   regions = {}
   for node in program.nodes:
     if node.wired is None:
@@ -550,6 +560,9 @@ def _rewire(program: _Program, folds: dict) -> None:
     outer = dict(zip(fold.terms, fold.outer))
     program.avals.update((outer[v], program.avals[v]) for v in fold.terms)
     for node, i in fold.users:
+      if node is None:
+        program.outs[i] = outer[program.wired[i]]
+        continue
       v = node.wired[0][i]
       node.ins[i] = outer[v]
       for region in _regions(node.region):  # Regions read it from outside.
