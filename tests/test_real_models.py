@@ -36,6 +36,7 @@ import optax
 
 import immgrad
 import immgrad.flax
+import oracles
 
 ATOL, RTOL = 1e-6, 1e-5
 STEPS = 3
@@ -440,21 +441,34 @@ def test_l2_in_the_loss_folds_under_immediate_with_haiku():
   _check_l2_folds(immgrad.immediate(l2_loss), l2_loss, params, batches)
 
 
-def test_l2_outside_the_haiku_adapter_is_refused_with_the_fix():
+def test_l2_outside_the_haiku_adapter_folds():
   """``immgrad.haiku.immediate`` wraps the forward function, inside
-  ``hk.transform``: a term the loss computes outside it cannot reach the
-  layers' steps, so the step refuses, naming both fixes.
+  ``hk.transform``: the loss adds the term outside it. The step sees the
+  weights used by their layers and by the term, plans the whole loss as
+  one program, and the term folds into the layers' steps.
   """
   hk = pytest.importorskip("haiku")
   import immgrad.haiku  # pylint: disable=g-import-not-at-top
 
-  forward, l2_loss_of, _, params, batches = _haiku_l2()
+  forward, l2_loss_of, plain, params, batches = _haiku_l2()
   model = hk.without_apply_rng(hk.transform(immgrad.haiku.immediate(forward)))
-  tx = immgrad.shim(optax.sgd(0.1))
-  with pytest.raises(ValueError, match=r"immgrad\.immediate\(loss_fn\)"):
-    immgrad.value_and_grad(l2_loss_of(model), tx)(
-      params, tx.init(params), batches[0]
+  _check_l2_folds(l2_loss_of(model), l2_loss_of(plain), params, batches)
+  # updated: the sequential re-linearization of the same MLP, each layer's
+  # dW with the term's gradient at its old weights, dX at its new ones.
+  names = ("mlp/~/linear_0", "mlp/~/linear_1")
+  chain = oracles.Chain(
+    (oracles.dense,) * 2, names, (jnp.tanh, oracles.identity), oracles.mse
+  )
+  penalty = lambda p: WD * 0.5 * sum(jnp.sum(a**2) for a in jax.tree.leaves(p))
+  loss_fn = l2_loss_of(model)
+  for opt in OPTIMIZERS.values():
+    want = oracles.sequential_steps(
+      chain, opt(), params, batches, penalty=penalty
     )
+    got = oracles.immediate_steps(
+      lambda p, x, y: loss_fn(p, (x, y)), opt(), params, batches
+    )
+    oracles.assert_runs_close(got, want, atol=ATOL, rtol=RTOL)
 
 
 def test_l2_moved_into_the_optimizer_trains_as_plain():

@@ -513,7 +513,7 @@ def _fold(layer: _Node, reads, penalised, program, taint: dict, consumers):
 
   def own(node):  # One of the equations computing from ``reads`` alone.
     return node is layer or all(
-      isinstance(v, jex_core.Literal) or v in inside or not taint[v]
+      isinstance(v, jex_core.Literal) or v in inside or taint[v] == frozenset()
       for v in node.ins
     )
 
@@ -981,18 +981,51 @@ def _name(fun) -> str:
   return getattr(fun, "__qualname__", repr(fun))
 
 
-def _analyse(fun, argnums, args, kwargs):
-  """Traces ``fun`` and plans its layers: (program, plan, leaves, paths)."""
+def _analyse(fun, argnums, args, kwargs, only=None):
+  """Traces ``fun`` and plans its layers: (program, plan, leaves, paths).
+
+  With ``only`` (leaf positions), the other parameter leaves are arguments
+  like the data, and ``fun`` is traced as outside a step: the immediate
+  layers and adapters inside it are plain JAX, which this plan replaces.
+  """
   leaves, treedef, paths = _flatten(args, kwargs, argnums, _name(fun))
 
   def call(params, others, kwargs):
     return fun(*others[:argnums], params, *others[argnums:], **kwargs)
 
-  program = _trace(call, leaves, treedef)
+  if only is None:
+    program = _trace(call, leaves, treedef)
+  else:
+    with context.hidden(context.current()):
+      program = _trace(call, leaves, treedef)
   params = {
-    program.inputs[i]: i for i in range(len(paths)) if _is_float(leaves[i])
+    program.inputs[i]: i
+    for i in range(len(paths))
+    if _is_float(leaves[i]) and (only is None or i in only)
   }
   return program, _plan(program, params, paths), leaves, paths
+
+
+def whole(fun: Callable[..., Any], only: frozenset) -> Callable[..., Any]:
+  """The loss ``fun`` made immediate as one program, for ``value_and_grad``.
+
+  Where a layer's weight is also used outside it (an L2 term the loss
+  adds outside ``immgrad.haiku.immediate``'s forward function), the step
+  runs the whole loss through this planner instead, stepping the leaves at
+  positions ``only`` (those the layers claimed) where it can: the term
+  then folds into their layers' steps.
+  """
+
+  def wrapped(params, *args):
+    program, _, leaves, _ = analysed = _analyse(
+      fun, 0, (params, *args), {}, only
+    )
+    values = [leaves[i] for i, n in enumerate(program.inputs) if n is not None]
+    return jax.tree.unflatten(
+      program.out_tree, _run(program, analysed[1], values)
+    )
+
+  return wrapped
 
 
 def immediate(

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from immgrad._src import auto
 from immgrad._src import axes
 from immgrad._src import base
 from immgrad._src import context
@@ -133,7 +134,7 @@ def value_and_grad(
       f"immgrad.value_and_grad: fun must be callable, got {fun!r}."
     )
 
-  def step(params, opt_state, *args):
+  def step(params, opt_state, *args, _whole=None):
     axes.check_bound(axis_name)
     keyed, treedef = jax.tree_util.tree_flatten_with_path(params)
     paths = [jax.tree_util.keystr(path) for path, _ in keyed]
@@ -171,7 +172,7 @@ def value_and_grad(
         views[i] = slot.watch(view)
         run.add(slot)
       with context.opened(run):
-        out = fun(treedef.unflatten(views), *args)
+        out = (_whole or (fun,))[0](treedef.unflatten(views), *args)
       _check_loss(fun, out, has_aux)
       return out
 
@@ -185,7 +186,19 @@ def value_and_grad(
     )
     cts, dws, nonfinite, changes = backward(jnp.ones_like(value))
     grads = []
+    claimed = {i: s.layer for i, s in enumerate(run.slots) if s.layer}
     for i, slot in enumerate(run.slots):
+      if _whole is None and slot.layer is not None and slot.ordinary:
+        # The whole loss planned as one program may fold that other use
+        # (an L2 term) into the layers' steps; if not, this refusal.
+        mixed = ValueError(_MIXED.format(path=slot.path, layer=slot.layer))
+        whole = auto.whole(fun, frozenset(claimed))
+        try:
+          return step(params, opt_state, *args, _whole=(whole, claimed))
+        except Exception as e:  # pylint: disable=broad-exception-caught
+          raise mixed from e
+      if _whole and i in _whole[1] and (slot.layer is None or slot.ordinary):
+        raise ValueError(_MIXED.format(path=slot.path, layer=_whole[1][i]))
       if slot.layer is not None and slot.ordinary:
         raise ValueError(_MIXED.format(path=slot.path, layer=slot.layer))
       if slot.layer is not None and slot.stepped:

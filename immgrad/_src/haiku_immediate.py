@@ -148,6 +148,9 @@ def immediate(
   @functools.wraps(fn)
   def wrapped(*args, **kwargs):
     with _casting(chosen, compute_dtype):
+      whole = context.analysing()
+      if whole is not None and not _active() and not hk.running_init():
+        return _as_units(fn, chosen, whole, args, kwargs)
       if context.current() is None or _active() or hk.running_init():
         return fn(*args, **kwargs)
       return _step(fn, chosen, args, kwargs)
@@ -196,6 +199,16 @@ def _step(fn, chosen: tuple[type, ...], args, kwargs):
     )
   hk_stateful.update_internal_state(hk_stateful.InternalState(None, state, rng))
   return out
+
+
+def _as_units(fn, chosen, step, args, kwargs):
+  """``fn`` traced for a loss planned whole: each chosen module's call one
+  unit where the step's dX needs module boundaries, as in :func:`_step`.
+  """
+  if step.dx_at == 0 and not step.measure_dx:
+    return fn(*args, **kwargs)
+  with hk.intercept_methods(functools.partial(_unit, chosen)):
+    return fn(*args, **kwargs)
 
 
 def _owners(fn, params, outer, args, kwargs) -> dict:
