@@ -494,16 +494,20 @@ def _folds(program: _Program, uses: _Uses):
 
 
 def _meets_as_term(node: _Node, taint: dict) -> bool:
-  """Whether ``node`` combines a parameter-only term with activations as a
-  loss takes a penalty: added, or scaled by a number.
+  """Whether ``node`` combines a parameter-only number with activations as
+  a loss takes a penalty: added, or scaled by a number.
   """
   name = node.eqn.primitive.name
   if name not in _TERM_MEETS:
     return False
-  return name not in ("mul", "div") or all(
-    not v.aval.shape
+  sides = [
+    (_taint_of(taint, u) is _ACT, v.aval.shape)
     for v, u in zip(node.eqn.invars, node.ins)
-    if _taint_of(taint, u) is _ACT
+  ]
+  if any(shape for act, shape in sides if not act):
+    return False  # A parameter array (a bias), not a term.
+  return name not in ("mul", "div") or not any(
+    shape for act, shape in sides if act
   )
 
 
