@@ -41,12 +41,12 @@ _MODES = {"current": 0.0, "updated": 1.0}
 
 _MIXED = (
   "parameter {path} is used by immediate layer {layer!r} and also by an "
-  "ordinary operation in the loss: tied weights (an embedding reused for "
-  "the logits) or a term such as an L2 penalty. The layer would step it "
-  "from its own part of the gradient only. For an L2 term, wrap the whole "
-  "loss, term included, in immgrad.immediate(loss_fn) (with the model "
-  "undecorated: a plain hk.transform), which folds the term into each "
-  "layer's step, or drop the term and use optax.add_decayed_weights; for "
+  "ordinary operation in the loss that cannot fold into the layer's step: "
+  "tied weights (an embedding reused for the logits), or a term that "
+  "joins it with other parameters before reducing it to a number (an L2 "
+  "term sum(w ** 2) folds; immgrad.layers(loss_fn, params, ...) says why "
+  "for each leaf). The layer would step it from its own part of the "
+  "gradient only. For weight decay, use optax.add_decayed_weights; for "
   "tied weights, leave that layer's module class out of `modules=` "
   "(adapters) or do not decorate it, so that the parameter trains "
   "ordinarily."
