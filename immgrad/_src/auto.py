@@ -1021,13 +1021,9 @@ def whole(fun: Callable[..., Any], only: frozenset) -> Callable[..., Any]:
   """
 
   def wrapped(params, *args):
-    program, _, leaves, _ = analysed = _analyse(
-      fun, 0, (params, *args), {}, only
-    )
+    program, plan, leaves, _ = _analyse(fun, 0, (params, *args), {}, only)
     values = [leaves[i] for i, n in enumerate(program.inputs) if n is not None]
-    return jax.tree.unflatten(
-      program.out_tree, _run(program, analysed[1], values)
-    )
+    return jax.tree.unflatten(program.out_tree, _run(program, plan, values))
 
   return wrapped
 
