@@ -390,6 +390,19 @@ def test_terms_that_cannot_fold_stay_ordinary_and_say_why():
   )
   oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
 
+  def feeds_its_layer(params, x, y):  # The term is part of w's input.
+    h = x + WD * jnp.sum(params["w"] ** 2)
+    return _mse(h @ params["w"], y)
+
+  w = {"w": params["layer0"]["w"]}
+  why = immgrad.layers(feeds_its_layer, w, *data[0])["['w']"].why
+  assert "which its layer's own input depends on" in why, why
+  got = oracles.immediate_steps(
+    immgrad.immediate(feeds_its_layer), optax.adam(1e-2), w, data
+  )
+  expected = oracles.plain_steps(feeds_its_layer, optax.adam(1e-2), w, data)
+  oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
+
   stacked_loss, stacked, _ = _stacked_problem()
 
   def scanned(p, x, y):

@@ -282,12 +282,11 @@ def _plan(program: _Program, params: dict, paths: list) -> _Plan:
   of the term reads it there. Its gradient then reaches the layer's
   backward rule with ``dy``, and the layer steps on both.
   """
-  uses = _follow(program, params, paths)
-  folds, why = _folds(program, uses)
+  first = _follow(program, params, paths)
+  folds, why = _folds(program, first)
   while True:
     _rewire(program, folds)
-    if folds:
-      uses = _follow(program, params, paths)
+    uses = _follow(program, params, paths) if folds else first
     plan, failed = _decide(program, params, paths, uses, folds)
     if not failed:
       break
@@ -601,11 +600,16 @@ def _out_of_order(program: _Program, folds: dict, failed: dict) -> dict:
         seen.add(id(node))
         late = position[id(node)] < position[id(fold.layer)]
         if node is fold.layer or (late and _checkpoint_of(node.region)):
+          user = fold.users[0][0] or node
           out[key] = (
-            f"also in a parameter-only term of the loss that its layer "
-            f"`{fold.layer.eqn.primitive.name}` ({fold.layer.where}) cannot "
-            f"return: the term's use at `{node.eqn.primitive.name}` "
-            f"({node.where}) comes before the layer"
+            f"also in a parameter-only term that meets the activations at "
+            f"`{user.eqn.primitive.name}` ({user.where}), "
+            + (
+              "which its layer's own input depends on"
+              if node is fold.layer
+              else "inside a `jax.checkpoint` that runs before its layer"
+            )
+            + ", so the layer cannot compute the term"
           )
           todo = []
           break
