@@ -294,13 +294,18 @@ def test_imagenet_l2_term_folds_and_current_is_plain_in_float64():
   missing from one layer's step, stays in float64 (the term's own size
   here, below). Now that the term folds, every leaf is immediate.
   """
-  with jax.enable_x64(True):
+  # jax.enable_x64 is public from jax 0.8 on; the suite supports 0.7.
+  jax.config.update("jax_enable_x64", True)
+  try:
     got, want, table = _imagenet_l2_run(steps=4)
-    assert all(row.layer is not None for row in table), table
-    # float64 rounding amplified by the model: 8.7e-13 on ResNet18 at
-    # XLA's defaults, 0 here at the suite's; the L2 term's gradient left
-    # out of the immediate steps moves them 6.7e-6 from plain here.
-    chex.assert_trees_all_close(got, want, atol=1e-9, rtol=0)
+  finally:
+    jax.config.update("jax_enable_x64", False)
+  assert all(row.layer is not None for row in table), table
+  assert {a.dtype for a in jax.tree.leaves(got)} == {jnp.dtype("float64")}
+  # float64 rounding amplified by the model: 8.7e-13 on ResNet18 at
+  # XLA's defaults, 0 here at the suite's; the L2 term's gradient left
+  # out of the immediate steps moves them 6.7e-6 from plain here.
+  chex.assert_trees_all_close(got, want, atol=1e-9, rtol=0)
 
 
 # -- hk.layer_stack: stacked blocks equal the same blocks unrolled ----------
