@@ -113,12 +113,17 @@ def immediate_steps(loss_fn, opt, params, batches, atomic=True, **kwargs):
   return history, losses
 
 
-def sequential_steps(chain: Chain, opt, params, batches, at=1.0, measure=False):
+def sequential_steps(
+  chain: Chain, opt, params, batches, at=1.0, measure=False, penalty=None
+):
   """The hand-written re-linearization reference for ``mode="updated"``.
 
   With ``at``, dX is taken at ``W + at * (W_new - W)`` (``mode=at``). With
   ``measure``, also returns, per step, each layer's
-  ``|dX(W_new) - dX(W)| / |dX(W)|`` on the ``dz`` it received.
+  ``|dX(W_new) - dX(W)| / |dX(W)|`` on the ``dz`` it received. With
+  ``penalty(layer_params) -> scalar`` (an L2 term), the loss is
+  ``chain.loss + sum(penalty(params[name]) for each layer)``, and each
+  layer's ``dW`` includes the penalty's gradient at its old weights.
   """
 
   def norm(tree):
@@ -134,6 +139,8 @@ def sequential_steps(chain: Chain, opt, params, batches, at=1.0, measure=False):
       pre.append(z)
       h = act(z)
     loss, loss_vjp = jax.vjp(lambda out: chain.loss(out, y), h)
+    if penalty is not None:
+      loss = loss + sum(penalty(params[name]) for name in chain.names)
     (dh,) = loss_vjp(jnp.ones_like(loss))
     new_params, new_states, changes = dict(params), dict(states), {}
     for i in reversed(range(len(chain.layers))):
@@ -142,6 +149,8 @@ def sequential_steps(chain: Chain, opt, params, batches, at=1.0, measure=False):
       (dz,) = act_vjp(dh)
       _, w_vjp = jax.vjp(lambda w, f=fun, x=inputs[i]: f(x, w), params[name])
       (dw,) = w_vjp(dz)
+      if penalty is not None:
+        dw = jax.tree.map(jnp.add, dw, jax.grad(penalty)(params[name]))
       updates, new_states[name] = opt.update(dw, states[name], params[name])
       new_params[name] = optax.apply_updates(params[name], updates)
 

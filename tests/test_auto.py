@@ -18,6 +18,7 @@ ordinary is caught by asserting which leaves were stepped immediately.
 
 import re
 
+import chex
 import jax
 from jax import lax
 import jax.numpy as jnp
@@ -253,27 +254,172 @@ def test_current_equals_plain_training(name, opt):
   oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
 
 
-def test_l2_term_leaves_those_parameters_ordinary():
-  model, params, x_shape, y_shape = _mlp()
+WD = 1e-2
+
+
+def _l2(p):
+  """The L2 term of one dense layer: weights and bias, as the Haiku and
+  Flax ImageNet examples write it over the whole params tree.
+  """
+  return WD * (jnp.sum(p["w"] ** 2) + jnp.sum(p["b"] ** 2))
+
+
+def _l2_loss(chain):
+  """``chain``'s loss plus the L2 term, summed before the model runs."""
 
   def loss_fn(params, x, y):
-    l2 = sum(jnp.sum(p["w"] ** 2) for p in params.values())
-    return _mse(model(params, x), y) + 1e-3 * l2
+    l2 = sum(jnp.sum(w**2) for w in jax.tree.leaves(params))
+    return chain.loss_fn()(params, x, y) + WD * l2
 
-  data = _data(x_shape, y_shape)
+  return loss_fn
+
+
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
+def test_l2_term_folds_into_each_layers_step(opt):
+  """Each leaf, read by its layer and by the L2 term, is stepped by its
+  layer on both gradients: current is plain training, updated the
+  sequential reference with the penalty's gradient in each layer's dW
+  (at the old weights), dX at the new ones.
+  """
+  chain, params = oracles.mlp([6, 16, 16, 3], jax.random.PRNGKey(0))
+  data = oracles.batches(jax.random.PRNGKey(1), STEPS, (8, 6), (8, 3))
+  loss_fn = _l2_loss(chain)
   auto_loss = immgrad.immediate(loss_fn)
   table = immgrad.layers(loss_fn, params, *data[0])
-  for path in _paths(params):
-    assert (table[path].layer is None) == path.endswith("['w']"), table
-  assert _stepped_immediately(auto_loss, params, data[0]) == {
-    p for p in _paths(params) if p.endswith("['b']")
-  }
+  assert all(row.layer is not None for row in table), table
+  assert table["['layer0']['w']"].layer == "dot_general -> float32[8,16]"
+  assert table["['layer0']['b']"].layer == "add -> float32[8,16]"
+  assert _stepped_immediately(auto_loss, params, data[0]) == set(_paths(params))
+  expected = oracles.plain_steps(loss_fn, OPTIMIZERS[opt](), params, data)
+  got = oracles.immediate_steps(
+    auto_loss, OPTIMIZERS[opt](), params, data, mode="current"
+  )
+  oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
+  expected = oracles.sequential_steps(
+    chain, OPTIMIZERS[opt](), params, data, penalty=_l2
+  )
+  got = oracles.immediate_steps(
+    auto_loss, OPTIMIZERS[opt](), params, data, mode="updated"
+  )
+  oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
+  # The penalty is felt: without it the same run ends elsewhere.
+  unpenalised = oracles.sequential_steps(chain, OPTIMIZERS[opt](), params, data)
+  assert oracles.max_abs_diff(got[0][-1], unpenalised[0][-1]) > 1e-4
+
+
+def test_l2_term_under_a_checkpoint_and_scaled_by_an_argument_folds():
+  """The model under jax.checkpoint, the L2 term outside it, summed after
+  the model ran, with the weight decay passed in as an argument.
+  """
+  chain, params = oracles.mlp([6, 16, 3], jax.random.PRNGKey(0))
+  data = [
+    batch + (jnp.asarray(WD),)
+    for batch in oracles.batches(jax.random.PRNGKey(1), STEPS, (8, 6), (8, 3))
+  ]
+
+  def loss_fn(params, x, y, wd):
+    out = jax.checkpoint(lambda x: chain.apply(params, x))(x)
+    l2 = sum(jnp.sum(w**2) for w in jax.tree.leaves(params))
+    return _mse(out, y) + wd * l2
+
+  auto_loss = immgrad.immediate(loss_fn)
+  assert _stepped_immediately(auto_loss, params, data[0]) == set(_paths(params))
   for opt in OPTIMIZERS.values():
     expected = oracles.plain_steps(loss_fn, opt(), params, data)
     got = oracles.immediate_steps(
       auto_loss, opt(), params, data, mode="current"
     )
     oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
+
+
+def test_l2_term_also_returned_as_aux_folds():
+  """A loss that returns its L2 term for logging (``has_aux``)."""
+  chain, params = oracles.mlp([6, 16, 3], jax.random.PRNGKey(0))
+  (x, y), *_ = oracles.batches(jax.random.PRNGKey(1), 1, (8, 6), (8, 3))
+
+  def loss_fn(params, x, y):
+    l2 = sum(jnp.sum(w**2) for w in jax.tree.leaves(params))
+    return chain.loss_fn()(params, x, y) + WD * l2, {"l2": l2}
+
+  table = immgrad.layers(loss_fn, params, x, y)
+  assert all(row.layer is not None for row in table), table
+  opt = optax.adam(1e-2)
+  tx = immgrad.shim(opt)
+  (loss, aux), grads = immgrad.value_and_grad(
+    immgrad.immediate(loss_fn), tx, mode="current", has_aux=True
+  )(params, tx.init(params), x, y)
+  updates, _ = tx.update(grads, tx.init(params), params)
+  (want_loss, want_aux), plain = jax.value_and_grad(loss_fn, has_aux=True)(
+    params, x, y
+  )
+  want, _ = opt.update(plain, opt.init(params), params)
+  chex.assert_trees_all_close(
+    (loss, aux, updates), (want_loss, want_aux, want), atol=ATOL, rtol=RTOL
+  )
+  is_immediate = lambda g: isinstance(g, immgrad.ImmediateGrad)
+  assert all(
+    jax.tree.leaves(jax.tree.map(is_immediate, grads, is_leaf=is_immediate))
+  )
+
+
+def test_terms_that_cannot_fold_stay_ordinary_and_say_why():
+  """``sum(w1 * w2)`` joins two layers' weights before reducing them; an
+  L2 term on a stacked parameter of a scan is not split among the loop's
+  steps. Both keep ordinary gradients (plain training), with the reason;
+  the other leaves stay immediate.
+  """
+  chain, params = oracles.mlp([4, 4, 4], jax.random.PRNGKey(0))
+  data = oracles.batches(jax.random.PRNGKey(1), STEPS, (8, 4), (8, 4))
+
+  def joined(params, x, y):
+    mix = jnp.sum(params["layer0"]["w"] * params["layer1"]["w"])
+    return chain.loss_fn()(params, x, y) + WD * mix
+
+  table = immgrad.layers(joined, params, *data[0])
+  for path in ("['layer0']['w']", "['layer1']['w']"):
+    assert table[path].layer is None
+    assert "before reducing it to a number" in table[path].why, table
+  auto_loss = immgrad.immediate(joined)
+  assert _stepped_immediately(auto_loss, params, data[0]) == {
+    "['layer0']['b']",
+    "['layer1']['b']",
+  }
+  expected = oracles.plain_steps(joined, optax.adam(1e-2), params, data)
+  got = oracles.immediate_steps(
+    auto_loss, optax.adam(1e-2), params, data, mode="current"
+  )
+  oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
+
+  def feeds_its_layer(params, x, y):  # The term is part of w's input.
+    h = x + WD * jnp.sum(params["w"] ** 2)
+    return _mse(h @ params["w"], y)
+
+  w = {"w": params["layer0"]["w"]}
+  why = immgrad.layers(feeds_its_layer, w, *data[0])["['w']"].why
+  assert "which its layer's own input depends on" in why, why
+  got = oracles.immediate_steps(
+    immgrad.immediate(feeds_its_layer), optax.adam(1e-2), w, data
+  )
+  expected = oracles.plain_steps(feeds_its_layer, optax.adam(1e-2), w, data)
+  oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
+
+  stacked_loss, stacked, _ = _stacked_problem()
+
+  def scanned(p, x, y):
+    return stacked_loss(p, x, y) + WD * jnp.sum(p["stack"]["w"] ** 2)
+
+  data = oracles.batches(jax.random.PRNGKey(1), STEPS, (4, 8), (4, 2))
+  table = immgrad.layers(scanned, stacked, *data[0])
+  assert "not folded into a loop's steps" in table["['stack']['w']"].why
+  # The scan steps its stacked leaves together or not at all.
+  assert "also reads ['stack']['w']" in table["['stack']['b']"].why, table
+  auto_loss = immgrad.immediate(scanned)
+  assert _stepped_immediately(auto_loss, stacked, data[0]) == {"['out']['w']"}
+  expected = oracles.plain_steps(scanned, optax.adam(1e-2), stacked, data)
+  got = oracles.immediate_steps(
+    auto_loss, optax.adam(1e-2), stacked, data, mode="current"
+  )
+  oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
 
 
 @pytest.mark.parametrize("opt", list(OPTIMIZERS))

@@ -69,14 +69,26 @@ def test_immediate_and_ordinary_use_is_an_error():
     step(tiny.params(), tx.init(tiny.params()), *tiny.data())
 
 
-def test_regulariser_on_immediate_weight_is_an_error():
+def test_regulariser_on_immediate_weight_folds_into_its_step():
+  """Once refused: the step plans the whole loss as one program, and the
+  term folds into the decorated layer's step (plain training in current,
+  atol 1e-6 as everywhere: float32 rounding of two programs).
+  """
+
   def loss_fn(params, x, y):
     out = tiny.dense(x, params["l1"])[:, :2]
     return jnp.mean((out - y) ** 2) + 1e-3 * jnp.sum(params["l1"]["w"] ** 2)
 
-  tx, step = tiny.train_step(loss_fn)
-  with pytest.raises(ValueError, match="and also used outside it"):
-    step(tiny.params(), tx.init(tiny.params()), *tiny.data())
+  params = {"l1": tiny.params()["l1"]}
+  tx = immgrad.shim(optax.adam(1e-2))
+  _, grads = immgrad.value_and_grad(loss_fn, tx, mode="current")(
+    params, tx.init(params), *tiny.data()
+  )
+  assert isinstance(grads["l1"]["w"], immgrad.ImmediateGrad)
+  _, want = jax.value_and_grad(loss_fn)(params, *tiny.data())
+  chex.assert_trees_all_close(
+    grads["l1"]["w"].grad, want["l1"]["w"], atol=1e-6, rtol=1e-5
+  )
 
 
 @pytest.mark.parametrize(

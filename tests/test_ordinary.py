@@ -113,22 +113,24 @@ def test_parameter_returned_by_the_function_warns():
   assert "read outside its layer" in message
 
 
-def test_l2_term_in_the_loss_warns_as_read_outside_its_layer():
-  """The L2 term is a parameter-only scalar combined with the loss. (When
-  such terms are folded into their layers' steps this leaf is immediate and
-  this test is replaced by one of the folding.)
+def test_a_term_that_cannot_fold_warns_as_read_outside_its_layer():
+  """An L2 term ``sum(w ** 2)`` folds into its layer's step (test_auto.py);
+  ``sum(w1 * w2)`` joins two layers' weights before reducing them, so no
+  part of it belongs to one layer: both stay ordinary, and say so.
   """
 
   def loss_fn(params, x):
-    return jnp.mean((x @ params["w"]) ** 2) + 1e-2 * jnp.sum(params["w"] ** 2)
+    h = jnp.tanh(x @ params["w1"])
+    penalty = jnp.sum(params["w1"][:2, :2] * params["w2"])
+    return jnp.mean((h[:, :2] @ params["w2"]) ** 2) + 1e-2 * penalty
 
-  params = {"w": jnp.linspace(-1.0, 1.0, 6).reshape(3, 2)}
+  params = {
+    "w1": jnp.linspace(-1.0, 1.0, 12).reshape(3, 4),
+    "w2": jnp.linspace(-1.0, 1.0, 6).reshape(3, 2)[:2],
+  }
   message = _one_message(immgrad.immediate(loss_fn), params, X)
-  assert re.search(
-    r"\['w'\]: in a term of the parameters combined with the loss by `add` "
-    r"\(.*\), and read by `dot_general`",
-    message,
-  )
+  assert "2 of the 2 parameter leaves" in message
+  assert "joins it with other parameters" in message
   assert "read outside its layer" in message
   assert "optax.adamw or optax.add_decayed_weights" in message
   assert "tied" not in message
@@ -257,7 +259,8 @@ def test_an_adapter_warns_at_the_users_line():
 
 def _adapter_loss(library, strict):
   """A model whose one weight is read twice (``x @ w @ w.T``: tied), built
-  with ``library``'s own modules and wrapped by its adapter."""
+  with ``library``'s own modules and wrapped by its adapter.
+  """
   if library == "haiku":
 
     def forward(x):
@@ -298,7 +301,8 @@ def _adapter_loss(library, strict):
 def test_adapters_warn_and_strict_raises(library):
   """Each adapter hands ``strict`` to immgrad.immediate: the tied weight
   warns by default (its gradient plain JAX's) and is an error with
-  ``strict=True``."""
+  ``strict=True``.
+  """
   loss_fn, params = _adapter_loss(library, strict=False)
   (warning,) = _warned(loss_fn, params, X)
   assert "read by 2 layers" in str(warning.message)
@@ -385,7 +389,7 @@ def test_tied_weight_also_used_undecorated_is_named_tied():
     "immgrad.value_and_grad: parameter ['embed'] is stepped by immediate "
     "layer '_embed' and also used outside it"
   )
-  assert "either tied" in message and "L2 penalty" in message
+  assert "tied" in message and "sum(w ** 2) folds" in message
   assert "optax.adamw" in message
   _no_adapter_advice(message)
 

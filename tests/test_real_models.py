@@ -36,6 +36,7 @@ import optax
 
 import immgrad
 import immgrad.flax
+import oracles
 
 ATOL, RTOL = 1e-6, 1e-5
 STEPS = 3
@@ -317,29 +318,157 @@ def _l2():
   return data_loss, l2_loss, params, batches
 
 
-def test_l2_in_the_loss_trains_ordinarily_and_is_reported():
-  """Refused while immgrad.flax patched the layers. Each weight, read by
-  its layer and by the penalty, now keeps an ordinary gradient (plain
-  training), and immgrad.layers says why; the fix stays the optimizer's
-  weight decay (next test), which makes them immediate.
+OPTIMIZERS = {"sgd": lambda: optax.sgd(0.1), "adam": lambda: optax.adam(1e-2)}
+
+
+def _check_l2_folds(wrapped, l2_loss, params, batches):
+  """``wrapped`` (an adapter on ``l2_loss``): current is plain training with
+  sgd and adam, and every leaf is stepped by its layer (the term folded).
   """
-  _, l2_loss, params, batches = _l2()
+  for opt in OPTIMIZERS.values():
+    want = _train(l2_loss, params, batches, opt(), _plain(l2_loss, opt()))
+    tx = immgrad.shim(opt())
+    got = _train(l2_loss, params, batches, tx, _immediate(wrapped, tx))
+    chex.assert_trees_all_close(got, want, atol=ATOL, rtol=RTOL)
+    # The term moved the weights: without it they end elsewhere.
+    assert optax.tree.norm(optax.tree.sub(got, params)) > 0
+  tx = immgrad.shim(optax.sgd(0.1))
+  _, grads = immgrad.value_and_grad(wrapped, tx)(
+    params, tx.init(params), batches[0]
+  )
+  is_immediate = lambda g: isinstance(g, immgrad.ImmediateGrad)
+  stepped = jax.tree.leaves(
+    jax.tree.map(is_immediate, grads, is_leaf=is_immediate)
+  )
+  assert stepped and all(stepped), grads
+  # And updated runs, moving the model down.
+  updated = _train(
+    l2_loss, params, batches, tx, _immediate(wrapped, tx, mode="updated")
+  )
+  assert float(l2_loss(updated, batches[0])) < float(
+    l2_loss(params, batches[0])
+  )
+
+
+def test_l2_in_the_loss_folds_into_each_layer_nnx():
+  """Flax's ImageNet example writes weight decay as an L2 term of the loss.
+  Each weight, read by its layer and by the term, is stepped by its layer
+  on both gradients (the term's part for that leaf computed in the layer),
+  and immgrad.layers says each is immediate.
+  """
+  data_loss, l2_loss, params, batches = _l2()
+  _check_l2_folds(immgrad.flax.immediate(l2_loss), l2_loss, params, batches)
+  report = immgrad.layers(l2_loss, params, batches[0])
+  assert all(row.layer is not None for row in report), report
+  # Without the term, a different run: the term is not lost.
   sgd = optax.sgd(0.1)
-  want = _train(l2_loss, params, batches, sgd, _plain(l2_loss, sgd))
+  without = _train(data_loss, params, batches, sgd, _plain(data_loss, sgd))
   tx = immgrad.shim(sgd)
-  with pytest.warns(immgrad.OrdinaryWarning, match="read outside its layer"):
-    got = _train(
-      l2_loss,
-      params,
-      batches,
-      tx,
-      _immediate(immgrad.flax.immediate(l2_loss), tx),
+  got = _train(
+    l2_loss,
+    params,
+    batches,
+    tx,
+    _immediate(immgrad.flax.immediate(l2_loss), tx),
+  )
+  assert optax.tree.norm(optax.tree.sub(got, without)) > 1e-4
+
+
+def test_l2_in_the_loss_folds_into_each_layer_linen():
+  """Linen, as flax/examples/imagenet/train.py writes it: the kernels'
+  squares (``x.ndim > 1``) times ``weight_decay * 0.5``.
+  """
+  from flax import linen as nn  # pylint: disable=g-import-not-at-top
+
+  model = nn.Sequential([nn.Dense(8), nn.tanh, nn.Dense(3)])
+  _, _, _, batches = _l2()
+  params = model.init(jax.random.PRNGKey(0), batches[0][0])["params"]
+
+  def l2_loss(params, batch):
+    x, y = batch
+    loss = jnp.mean((model.apply({"params": params}, x) - y) ** 2)
+    weight_l2 = sum(
+      jnp.sum(x**2) for x in jax.tree.leaves(params) if x.ndim > 1
     )
-  chex.assert_trees_all_close(got, want, atol=ATOL, rtol=RTOL)
-  with pytest.raises(ValueError, match="no immediate layer used"):
-    _stepped(l2_loss, params, batches[0])  # mode="updated": all ordinary.
-  report = str(immgrad.layers(l2_loss, params, batches[0]))
-  assert report.count("in a term of the parameters combined with the loss") == 4
+    return loss + WD * 0.5 * weight_l2
+
+  _check_l2_folds(immgrad.flax.immediate(l2_loss), l2_loss, params, batches)
+
+
+def test_l2_in_the_loss_folds_into_each_layer_equinox():
+  eqx = pytest.importorskip("equinox")
+  import immgrad.equinox  # pylint: disable=g-import-not-at-top
+
+  model = eqx.nn.MLP(5, 3, 8, 1, activation=jnp.tanh, key=jax.random.key(0))
+  params, static = eqx.partition(model, eqx.is_inexact_array)
+  _, _, _, batches = _l2()
+
+  def l2_loss(params, batch):
+    x, y = batch
+    out = jax.vmap(eqx.combine(params, static))(x)
+    l2 = sum(jnp.sum(w**2) for w in jax.tree.leaves(params))
+    return jnp.mean((out - y) ** 2) + WD * l2
+
+  _check_l2_folds(immgrad.equinox.immediate(l2_loss), l2_loss, params, batches)
+
+
+def _haiku_l2():
+  """dm-haiku's ImageNet example's loss: an L2 term over the params tree."""
+  hk = pytest.importorskip("haiku")
+  _, _, _, batches = _l2()
+
+  def forward(x):
+    return hk.nets.MLP([8, 3], activation=jnp.tanh)(x)
+
+  def l2_loss_of(model):
+    def l2_loss(params, batch):
+      x, y = batch
+      loss = jnp.mean((model.apply(params, x) - y) ** 2)
+      l2 = sum(jnp.sum(jnp.square(p)) for p in jax.tree.leaves(params))
+      return loss + WD * 0.5 * l2
+
+    return l2_loss
+
+  plain = hk.without_apply_rng(hk.transform(forward))
+  params = plain.init(jax.random.PRNGKey(0), batches[0][0])
+  return forward, l2_loss_of, plain, params, batches
+
+
+def test_l2_in_the_loss_folds_under_immediate_with_haiku():
+  """``immgrad.immediate`` on the whole loss sees the term and folds it."""
+  _, l2_loss_of, plain, params, batches = _haiku_l2()
+  l2_loss = l2_loss_of(plain)
+  _check_l2_folds(immgrad.immediate(l2_loss), l2_loss, params, batches)
+
+
+def test_l2_outside_the_haiku_adapter_folds():
+  """``immgrad.haiku.immediate`` wraps the forward function, inside
+  ``hk.transform``: the loss adds the term outside it. The step sees the
+  weights used by their layers and by the term, plans the whole loss as
+  one program, and the term folds into the layers' steps.
+  """
+  hk = pytest.importorskip("haiku")
+  import immgrad.haiku  # pylint: disable=g-import-not-at-top
+
+  forward, l2_loss_of, plain, params, batches = _haiku_l2()
+  model = hk.without_apply_rng(hk.transform(immgrad.haiku.immediate(forward)))
+  _check_l2_folds(l2_loss_of(model), l2_loss_of(plain), params, batches)
+  # updated: the sequential re-linearization of the same MLP, each layer's
+  # dW with the term's gradient at its old weights, dX at its new ones.
+  names = ("mlp/~/linear_0", "mlp/~/linear_1")
+  chain = oracles.Chain(
+    (oracles.dense,) * 2, names, (jnp.tanh, oracles.identity), oracles.mse
+  )
+  penalty = lambda p: WD * 0.5 * sum(jnp.sum(a**2) for a in jax.tree.leaves(p))
+  loss_fn = l2_loss_of(model)
+  for opt in OPTIMIZERS.values():
+    want = oracles.sequential_steps(
+      chain, opt(), params, batches, penalty=penalty
+    )
+    got = oracles.immediate_steps(
+      lambda p, x, y: loss_fn(p, (x, y)), opt(), params, batches
+    )
+    oracles.assert_runs_close(got, want, atol=ATOL, rtol=RTOL)
 
 
 def test_l2_moved_into_the_optimizer_trains_as_plain():

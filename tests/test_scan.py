@@ -469,7 +469,12 @@ def test_optimizer_state_enters_the_loops_only_when_a_layer_steps(
     oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
 
 
-def test_stacked_parameter_used_by_a_layer_and_ordinarily_is_an_error():
+def test_stacked_parameter_used_by_a_layer_and_by_a_term_folds():
+  """Once refused: ``sum(b)`` added to each block's output is a term of
+  that block's layer alone; the step plans the whole loss as one program
+  and folds it into each layer's step of its slice: plain training.
+  """
+
   def loss_fn(params, x, y):
     def block(h, p):
       return jnp.tanh(dense(h, p)) + jnp.sum(p["b"]), None
@@ -479,13 +484,17 @@ def test_stacked_parameter_used_by_a_layer_and_ordinarily_is_an_error():
 
   _, unrolled = _params()
   params = oracles.stacked(unrolled)
+  data = _data()
+  expected = oracles.plain_steps(loss_fn, optax.adam(1e-2), params, data)
+  got = oracles.immediate_steps(
+    loss_fn, optax.adam(1e-2), params, data, mode="current"
+  )
+  oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
   tx = immgrad.shim(optax.sgd(0.1))
-  with pytest.raises(
-    ValueError,
-    match=r"\['blocks'\]\['b'\] is stepped by "
-    "immediate layer .* and also used outside it",
-  ):
-    immgrad.value_and_grad(loss_fn, tx)(params, tx.init(params), *_data()[0])
+  _, grads = immgrad.value_and_grad(loss_fn, tx)(
+    params, tx.init(params), *data[0]
+  )
+  assert isinstance(grads["blocks"]["b"], immgrad.ImmediateGrad)
 
 
 @pytest.mark.parametrize("mode", ["current", "updated"])

@@ -15,12 +15,14 @@ then it runs as ``immediate_layer(lambda x, raw: prim(x, preprocess(raw)))``
 on the very leaves the step handed in, so ``mode="updated"`` takes dX at the
 processed new weights. Every other equation runs as traced.
 
-A leaf that reaches two layers (tied embeddings), a loop that reuses it
-every iteration (a ``lax.scan`` closing over it), the function's output or
-a parameter-only term combined with the loss (an L2 penalty, which is then
-a layer of its own) keeps an ordinary gradient, as does every leaf its
-layer reads with it, and a layer inside a ``jax.checkpoint`` that is handed
-weights computed outside it. :func:`layers` reports each leaf's fate;
+A parameter-only term combined with the loss (an L2 penalty) is folded
+into the layers whose leaves it reads: each returns its own part of it
+(see ``_plan``). A leaf that reaches two layers (tied embeddings), a loop
+that reuses it every iteration (a ``lax.scan`` closing over it), the
+function's output or a term that cannot be folded keeps an ordinary
+gradient, as does every leaf its layer reads with it, and a layer inside
+a ``jax.checkpoint`` that is handed weights computed outside it.
+:func:`layers` reports each leaf's fate;
 ``immediate`` warns of each such leaf (``ordinary.py``).
 Parameters combined with activations inside ``cond``, ``switch`` or
 ``while_loop`` are refused; in a ``scan``'s carry or inside other
@@ -97,6 +99,7 @@ class _Region:
   end: int
   parent: Optional["_Region"]
   checkpoint: bool = True  # False: a ``jit`` call.
+  wired: Any = None  # ins as traced, before folding rewires them.
 
   @property
   def where(self) -> str:
@@ -111,6 +114,7 @@ class _Node:
   ins: list  # An int (a value of the program) or a Literal.
   outs: list
   region: _Region | None = None  # The innermost checkpoint around it.
+  wired: Any = None  # (ins, outs) as traced, before folding rewires them.
 
   @property
   def where(self) -> str:
@@ -142,6 +146,7 @@ class _Program:
   out_tree: Any
   avals: dict  # number -> abstract value, for the equations' outputs.
   counter: Any  # Numbers the values of inner programs (scan bodies).
+  wired: Any = None  # outs as traced, before folding rewires them.
 
 
 def _trace(fun, leaves, treedef) -> _Program:
@@ -229,9 +234,45 @@ class _Plan:
   preprocess: dict  # id(layer) -> (raw value numbers, parameter-only nodes).
   ordinary: dict  # leaf index -> the Reason it keeps an ordinary gradient.
   scans: dict  # id(scan node) -> (its body _Program, the body's _Plan).
+  # id(layer) -> the parameter-only terms it also returns (folded L2
+  # terms): the value numbers it computes them as, and those it returns.
+  terms: dict = dataclasses.field(default_factory=dict)
+
+  @functools.cached_property
+  def layers(self) -> frozenset:
+    """The ids of the immediate layers' nodes."""
+    return frozenset(id(node) for node in self.immediate.values())
 
 
 _ACT = None  # The taint of a value that depends on an activation.
+
+# Where a parameter-only term may meet the activations and still fold into
+# its layers' steps: added to the loss, or scaled by a number (a weight
+# decay passed as an argument).
+_TERM_MEETS = frozenset({"add", "sub", "add_any", "mul", "div"})
+
+
+@dataclasses.dataclass
+class _Uses:
+  """What :func:`_follow` finds: the values' taints, each leaf's uses."""
+
+  taint: dict
+  sinks: dict  # leaf -> [(layer node, None) or (None, why)].
+  layers: list  # The nodes where parameter-only values meet activations.
+  scans: dict
+  stacked: dict  # id(scan node) -> the stacked leaves it steps.
+
+
+@dataclasses.dataclass(eq=False)
+class _Fold:
+  """A layer that also returns its leaves' parameter-only terms."""
+
+  layer: _Node
+  reads: frozenset  # Its parameter leaves.
+  penalised: frozenset  # Those of them in terms.
+  terms: list  # The terms' value numbers, computed inside the layer.
+  outer: list  # The numbers of the layer's extra outputs, the same values.
+  users: list  # (node, input position): the terms' uses, to read outer.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,8 +290,37 @@ class Reason:
     return self.text
 
 
+_RETURNED = Reason("outside", "returned by the function")
+
+
 def _plan(program: _Program, params: dict, paths: list) -> _Plan:
-  """Follows parameters through ``program``; decides the immediate layers."""
+  """Follows parameters through ``program``; decides the immediate layers.
+
+  A parameter-only term combined with the loss (an L2 penalty) whose part
+  computed from one layer's leaves alone is a number (``sum(w ** 2)``) is
+  *folded* into that layer: the layer computes the number from its raw
+  leaves and returns it too, and ``program`` is rewired so that the rest
+  of the term reads it there. Its gradient then reaches the layer's
+  backward rule with ``dy``, and the layer steps on both.
+  """
+  first = _follow(program, params, paths)
+  folds, why = _folds(program, first)
+  while True:
+    _rewire(program, folds)
+    uses = _follow(program, params, paths) if folds else first
+    plan, failed = _decide(program, params, paths, uses, folds)
+    if not failed:
+      break
+    for key, reason in failed.items():
+      why.update((leaf, reason) for leaf in folds.pop(key).penalised)
+  plan.ordinary.update(
+    (leaf, reason) for leaf, reason in why.items() if leaf in plan.ordinary
+  )
+  return plan
+
+
+def _follow(program: _Program, params: dict, paths: list) -> _Uses:
+  """Taints every value with the leaves it derives from; finds the layers."""
   taint = {n: frozenset() for n in program.consts}
   for n in program.inputs:
     if n is not None:
@@ -262,12 +332,11 @@ def _plan(program: _Program, params: dict, paths: list) -> _Plan:
       taint[n] = _ACT
   sinks = {leaf: [] for leaf in params.values()}
   layers, scans, stacked = [], {}, {}
-
-  def of(v):
-    return frozenset() if isinstance(v, jex_core.Literal) else taint[v]
-
-  for node in program.nodes:
-    ins = [of(v) for v in node.ins]
+  for node in _in_order(program):
+    ins = [
+      frozenset() if isinstance(v, jex_core.Literal) else taint.get(v, _ACT)
+      for v in node.ins
+    ]
     act = any(t is _ACT for t in ins)
     reads = frozenset().union(*[t for t in ins if t is not _ACT])
     if act and reads:
@@ -285,23 +354,81 @@ def _plan(program: _Program, params: dict, paths: list) -> _Plan:
     for n in node.outs:
       taint[n] = _ACT if act else reads
   for v in program.outs:
-    for leaf in of(v) or ():
-      sinks[leaf].append((None, Reason("outside", "returned by the function")))
-  immediate, ordinary, preprocess = {}, {}, {}
+    for leaf in _taint_of(taint, v) or ():
+      sinks[leaf].append((None, _RETURNED))
+  return _Uses(taint, sinks, layers, scans, stacked)
+
+
+def _in_order(program: _Program) -> list:
+  """``program.nodes``, each after the equations its inputs come from.
+
+  Program order, but for the users of folded layers' terms, which wait
+  for their layer. (Those in a cycle come last, unresolved: such a fold is
+  undone, see :func:`_out_of_order`.)
+  """
+  known = set(program.consts) | {n for n in program.inputs if n is not None}
+  order, waiting, wanted = [], [], set()
+
+  def missing(node):
+    return {
+      v
+      for v in node.ins
+      if not isinstance(v, jex_core.Literal) and v not in known
+    }
+
+  for node in program.nodes:
+    if missing(node):
+      waiting.append(node)
+      wanted |= missing(node)
+      continue
+    order.append(node)
+    known.update(node.outs)
+    while wanted & known:
+      ready = [n for n in waiting if not missing(n)]
+      waiting = [n for n in waiting if missing(n)]
+      wanted = set().union(*map(missing, waiting))
+      for n in ready:
+        order.append(n)
+        known.update(n.outs)
+  return order + waiting
+
+
+def _taint_of(taint: dict, v):
+  return frozenset() if isinstance(v, jex_core.Literal) else taint[v]
+
+
+def _reads(node: _Node, uses: _Uses) -> frozenset:
+  """The parameter leaves layer ``node`` reads (steps, for a scan)."""
+  if id(node) in uses.stacked:
+    return uses.stacked[id(node)]
+  ins = [_taint_of(uses.taint, v) for v in node.ins]
+  return frozenset().union(*[t for t in ins if t is not _ACT])
+
+
+def _decide(program, params: dict, paths: list, uses: _Uses, folds: dict):
+  """The plan ``uses`` gives; and the folds that fail, with why."""
+  taint, sinks = uses.taint, uses.sinks
+  immediate, ordinary, preprocess, terms = {}, {}, {}, {}
   producer = {n: node for node in program.nodes for n in node.outs}
   raw_of = {leaf: n for n, leaf in params.items()}
-  for node in layers:
-    reads = stacked.get(id(node)) or frozenset().union(
-      *[of(v) for v in node.ins if of(v) is not _ACT]
-    )
+  for node in uses.layers:
+    reads = _reads(node, uses)
     shared = [leaf for leaf in reads if sinks[leaf] != [(node, None)]]
     raw = sorted(raw_of[leaf] for leaf in reads)
-    pre = _preprocess(node, taint, producer)
+    pre = _preprocess(node.ins, taint, producer)
     outside = _outside(node, raw, pre)
     for leaf in reads:
       if not shared and not outside:
         immediate[leaf] = node
-        preprocess[id(node)] = raw, pre
+        fold = folds.get(id(node))
+        if fold is None:
+          preprocess[id(node)] = raw, pre
+        else:  # Its equations compute the terms too.
+          terms[id(node)] = fold.terms, fold.outer
+          preprocess[id(node)] = (
+            raw,
+            _preprocess(list(node.ins) + fold.terms, taint, producer),
+          )
       elif leaf in shared:
         ordinary[leaf] = _why(sinks[leaf])
       elif shared:
@@ -318,10 +445,204 @@ def _plan(program: _Program, params: dict, paths: list) -> _Plan:
           f"`{outside.eqn.primitive.name}` ({outside.where}), which gets "
           f"its weights computed, not the parameters themselves",
         )
-  for leaf, uses in sinks.items():
+  for leaf, leaf_uses in sinks.items():
     if leaf not in immediate and leaf not in ordinary:
-      ordinary[leaf] = _why(uses) if uses else Reason("unused", "unused")
-  return _Plan(params, taint, immediate, preprocess, ordinary, scans)
+      ordinary[leaf] = (
+        _why(leaf_uses) if leaf_uses else Reason("unused", "unused")
+      )
+  failed = {
+    key: ordinary[min(fold.reads & ordinary.keys())]
+    for key, fold in folds.items()
+    if key not in terms
+  }
+  failed.update(_out_of_order(program, folds, failed))
+  plan = _Plan(params, taint, immediate, preprocess, ordinary, uses.scans)
+  plan.terms = terms
+  return plan, failed
+
+
+def _folds(program: _Program, uses: _Uses):
+  """The layers whose leaves are also in foldable parameter-only terms.
+
+  A leaf's uses besides its one layer must all be parameter-only terms
+  meeting the activations as ``_TERM_MEETS`` allows, and the values that
+  carry them out of the layer's own parameter-only equations (its terms)
+  must be numbers (``sum(w ** 2)``), not arrays that other layers'
+  parameters join before they are reduced. Returns ``{id(layer): _Fold}``
+  and, for the leaves of terms that cannot fold, why.
+  """
+  folds, why = {}, {}
+  consumers = collections.defaultdict(list)
+  for node in program.nodes:
+    for v in node.ins:
+      if not isinstance(v, jex_core.Literal):
+        consumers[v].append(node)
+  for layer in uses.layers:
+    reads = _reads(layer, uses)
+    others = [
+      use for leaf in reads for use in uses.sinks[leaf] if use != (layer, None)
+    ]
+    meets = [node for node, _ in others if node is not None]
+    returned = [why for _, why in others if why == _RETURNED]
+    penalised = frozenset(
+      leaf for leaf in reads if uses.sinks[leaf] != [(layer, None)]
+    )
+    if not meets or len(meets) + len(returned) < len(others):
+      continue
+    if not all(_meets_as_term(node, uses.taint) for node in meets):
+      continue
+    first = f"`{meets[0].eqn.primitive.name}` ({meets[0].where})"
+    if id(layer) in uses.stacked:
+      reason = Reason(
+        "outside",
+        f"stacked under `scan` ({layer.where}) and also in a "
+        f"parameter-only term of the loss (meeting it at {first}), which "
+        f"is not folded into a loop's steps: move the term into the "
+        f"optimizer (optax.add_decayed_weights)",
+      )
+      why.update((leaf, reason) for leaf in penalised)
+      continue
+    fold = _fold(layer, reads, penalised, program, uses.taint, consumers)
+    if any(
+      v not in program.avals or program.avals[v].shape for v in fold.terms
+    ):
+      reason = Reason(
+        "outside",
+        f"also in a parameter-only term of the loss (meeting it at {first}) "
+        f"that joins it with other parameters before reducing it to a "
+        f"number, so the term cannot be split among the layers' steps (a "
+        f"term such as `sum(w ** 2)` can)",
+      )
+      why.update((leaf, reason) for leaf in penalised)
+      continue
+    folds[id(layer)] = fold
+  return folds, why
+
+
+def _meets_as_term(node: _Node, taint: dict) -> bool:
+  """Whether ``node`` combines a parameter-only number with activations as
+  a loss takes a penalty: added, or scaled by a number.
+  """
+  name = node.eqn.primitive.name
+  if name not in _TERM_MEETS:
+    return False
+  sides = [
+    (_taint_of(taint, u) is _ACT, v.aval.shape)
+    for v, u in zip(node.eqn.invars, node.ins)
+  ]
+  if any(shape for act, shape in sides if not act):
+    return False  # A parameter array (a bias), not a term.
+  return name not in ("mul", "div") or not any(
+    shape for act, shape in sides if act
+  )
+
+
+def _fold(layer: _Node, reads, penalised, program, taint: dict, consumers):
+  """``layer``'s terms: values from ``reads`` alone that other nodes use."""
+  inside = {n for n, t in taint.items() if t and t <= reads}
+
+  def own(node):  # One of the equations computing from ``reads`` alone.
+    return node is layer or all(
+      isinstance(v, jex_core.Literal) or v in inside or taint[v] == frozenset()
+      for v in node.ins
+    )
+
+  terms, users = [], []
+  for v in sorted(inside):
+    found = [
+      (node, i)
+      for node in consumers[v]
+      if not own(node)
+      for i, u in enumerate(node.ins)
+      if not isinstance(u, jex_core.Literal) and u == v
+    ] + [  # Returned too (an aux output): the program's outputs.
+      (None, i)
+      for i, u in enumerate(program.outs)
+      if not isinstance(u, jex_core.Literal) and u == v
+    ]
+    if found:
+      terms.append(v)
+      users.extend(found)
+  outer = [next(program.counter) for _ in terms]
+  return _Fold(layer, reads, penalised, terms, outer, users)
+
+
+def _rewire(program: _Program, folds: dict) -> None:
+  """Makes the terms' users read each folded layer's extra outputs.
+
+  Undoes the rewiring of the layers no longer folded.
+  """
+  if program.wired is None:
+    program.wired = list(program.outs)
+  program.outs = list(program.wired)
+  regions = {}
+  for node in program.nodes:
+    if node.wired is None:
+      node.wired = list(node.ins), list(node.outs)
+    node.ins, node.outs = list(node.wired[0]), list(node.wired[1])
+    regions.update((id(r), r) for r in _regions(node.region))
+  for region in regions.values():
+    if region.wired is None:
+      region.wired = list(region.ins)
+    region.ins = list(region.wired)
+  for fold in folds.values():
+    fold.layer.outs += fold.outer
+    outer = dict(zip(fold.terms, fold.outer))
+    program.avals.update((outer[v], program.avals[v]) for v in fold.terms)
+    for node, i in fold.users:
+      if node is None:
+        program.outs[i] = outer[program.wired[i]]
+        continue
+      v = node.wired[0][i]
+      node.ins[i] = outer[v]
+      for region in _regions(node.region):  # Regions read it from outside.
+        region.ins = [
+          outer[v] if not isinstance(u, jex_core.Literal) and u == v else u
+          for u in region.ins
+        ]
+
+
+def _out_of_order(program: _Program, folds: dict, failed: dict) -> dict:
+  """The folds whose terms' users cannot run after their layer.
+
+  Those users are evaluated once the layer has run (``_eval`` defers
+  them), which fails if the layer's own input depends on them, or if one
+  is inside a ``jax.checkpoint`` that runs before the layer.
+  """
+  consumers = collections.defaultdict(list)
+  for node in program.nodes:
+    for v in node.ins:
+      if not isinstance(v, jex_core.Literal):
+        consumers[v].append(node)
+  position = {id(node): i for i, node in enumerate(program.nodes)}
+  out = {}
+  for key, fold in folds.items():
+    if key in failed:
+      continue
+    seen, todo = set(), list(fold.outer)
+    while todo:
+      for node in consumers[todo.pop()]:
+        if id(node) in seen:
+          continue
+        seen.add(id(node))
+        late = position[id(node)] < position[id(fold.layer)]
+        if node is fold.layer or (late and _checkpoint_of(node.region)):
+          user = fold.users[0][0] or node
+          out[key] = Reason(
+            "outside",
+            f"also in a parameter-only term that meets the activations at "
+            f"`{user.eqn.primitive.name}` ({user.where}), "
+            + (
+              "which its layer's own input depends on"
+              if node is fold.layer
+              else "inside a `jax.checkpoint` that runs before its layer"
+            )
+            + ", so the layer cannot compute the term",
+          )
+          todo = []
+          break
+        todo.extend(node.outs)
+  return out
 
 
 def _plan_scan(
@@ -374,8 +695,8 @@ def _plan_scan(
   return (body, plan), stepped
 
 
-def _preprocess(node: _Node, taint: dict, producer: dict) -> list:
-  """The parameter-only equations ``node``'s non-activation inputs need."""
+def _preprocess(values: list, taint: dict, producer: dict) -> list:
+  """The parameter-only equations the parameter-only ``values`` need."""
   pre, seen = [], set()
 
   def need(v):
@@ -387,7 +708,7 @@ def _preprocess(node: _Node, taint: dict, producer: dict) -> list:
       need(u)
     pre.append(node)
 
-  for v in node.ins:
+  for v in values:
     if isinstance(v, jex_core.Literal) or taint[v] is not _ACT:
       need(v)
   return pre
@@ -511,53 +832,107 @@ def _read(env: dict, v):
   return v.val if isinstance(v, jex_core.Literal) else env[v]
 
 
-def _eval(program, plan, env: dict, start: int, end: int, region) -> None:
-  """Evaluates ``program.nodes[start:end]``, all inside ``region``, in env."""
-  layers = {id(node) for node in plan.immediate.values()}
-  done = set(plan.immediate)
+def _eval(
+  program, plan, env: dict, start: int, end: int, region, pending=None
+) -> None:
+  """Evaluates ``program.nodes[start:end]``, all inside ``region``, in env.
+
+  An equation that reads a folded layer's term before the layer has run
+  (an L2 penalty summed before the model is called) waits in ``pending``
+  until it has: shared with the inlined regions inside, which use ``env``
+  too.
+  """
+  mine = pending is None
+  pending = [] if mine else pending
   i = start
   while i < end:
     node = program.nodes[i]
     if node.region is not region:  # The first node of a region inside.
       inner = _regions(node.region)
       inner = inner[inner.index(region) - 1] if region else inner[-1]
-      _checkpointed(program, plan, env, inner)
-      i = inner.end
-      continue
-    ins = [
-      frozenset() if isinstance(v, jex_core.Literal) else plan.taint[v]
-      for v in node.ins
-    ]
-    reads = frozenset().union(*[t for t in ins if t is not _ACT])
-    if id(node) in layers and id(node) in plan.scans:
-      env.update(zip(node.outs, _scanned(node, plan, env)))
-    elif id(node) in layers:
-      env.update(zip(node.outs, _layer(node, plan, env)))
-    elif all(t is not _ACT for t in ins) and reads and reads <= done:
-      pass  # Preprocessing that only an immediate layer needs.
+      item, i = inner, inner.end
     else:
-      env.update(zip(node.outs, _bind(node, [_read(env, v) for v in node.ins])))
-    i += 1
+      item, i = node, i + 1
+    if not _evaluate(program, plan, env, item, pending):
+      pending.append(item)
+    elif isinstance(item, _Region) or id(item) in plan.terms:
+      _catch_up(program, plan, env, pending)
+  if mine and pending:
+    _catch_up(program, plan, env, pending)
+    if pending:
+      raise AssertionError(
+        f"immgrad.immediate: {pending[0].where} never got its inputs."
+      )
 
 
-def _checkpointed(program, plan, env: dict, region: _Region) -> None:
+def _catch_up(program, plan, env: dict, pending: list) -> None:
+  """Evaluates the waiting equations whose inputs have come."""
+  ran = True
+  while ran:
+    ran = False
+    for item in list(pending):
+      if _evaluate(program, plan, env, item, pending):
+        pending.remove(item)
+        ran = True
+
+
+def _ready(env: dict, values: list) -> bool:
+  return all(isinstance(v, jex_core.Literal) or v in env for v in values)
+
+
+def _evaluate(program, plan, env: dict, item, pending: list) -> bool:
+  """Evaluates a node or a region inside; False if an input is not there."""
+  if isinstance(item, _Region):
+    return _checkpointed(program, plan, env, item, pending)
+  node = item
+  ins = [
+    frozenset() if isinstance(v, jex_core.Literal) else plan.taint[v]
+    for v in node.ins
+  ]
+  reads = frozenset().union(*[t for t in ins if t is not _ACT])
+  if (
+    all(t is not _ACT for t in ins) and reads and reads <= plan.immediate.keys()
+  ):
+    return True  # Preprocessing that only an immediate layer needs.
+  if not _ready(env, [v for v, t in zip(node.ins, ins) if t is _ACT]):
+    return False  # Waits for a folded layer's term.
+  if id(node) in plan.layers and id(node) in plan.scans:
+    env.update(zip(node.outs, _scanned(node, plan, env)))
+  elif id(node) in plan.layers:
+    env.update(zip(node.outs, _layer(node, plan, env)))
+  else:
+    env.update(zip(node.outs, _bind(node, [_read(env, v) for v in node.ins])))
+  return True
+
+
+def _checkpointed(program, plan, env: dict, region: _Region, pending) -> bool:
   """Evaluates a region: as traced, or by immgrad.checkpoint, or inlined.
 
   A ``jit`` call that holds no layer and reads no parameter is bound as
   traced, as one call: its transpose then sums the cotangents of its
   inputs' uses inside it first, as plain differentiation does (inlined,
-  they would be summed in another order: float association).
+  they would be summed in another order: float association). Returns
+  False, evaluating nothing, if an input of a region not inlined is not
+  there yet.
   """
   refs = list(
     dict.fromkeys(v for v in region.ins if not isinstance(v, jex_core.Literal))
   )
-  has_layer = any(
-    region in _regions(node.region) for node in plan.immediate.values()
+  inside = list(
+    dict.fromkeys(
+      node
+      for node in plan.immediate.values()
+      if region in _regions(node.region)
+    )
   )
-  if not region.checkpoint and (has_layer or any(plan.taint[v] for v in refs)):
-    _eval(program, plan, env, region.start, region.end, region)
-    return
-  if region.checkpoint and has_layer:
+  if not region.checkpoint and (inside or any(plan.taint[v] for v in refs)):
+    _eval(program, plan, env, region.start, region.end, region, pending)
+    return True
+  if not _ready(env, refs):
+    return False
+  # The folded layers' terms leave the region with its outputs.
+  terms = [n for node in inside for n in plan.terms.get(id(node), ([], []))[1]]
+  if region.checkpoint and inside:
 
     def body(*values):
       inner = collections.ChainMap(dict(zip(refs, values)), env)
@@ -567,7 +942,7 @@ def _checkpointed(program, plan, env: dict, region: _Region) -> None:
         if isinstance(v, jex_core.Literal) or v in inner
         else jnp.zeros(program.avals[v].shape, program.avals[v].dtype)
         for v in region.outs
-      ]
+      ] + [inner[n] for n in terms]
 
     params = region.eqn.params
     outs = remat_lib.checkpoint(
@@ -580,9 +955,10 @@ def _checkpointed(program, plan, env: dict, region: _Region) -> None:
     )
   env.update(
     (n, v)
-    for n, v in zip(region.outs, outs)
+    for n, v in zip(list(region.outs) + terms, outs)
     if not isinstance(n, jex_core.Literal) and n not in refs
   )
+  return True
 
 
 def _scanned(node: _Node, plan: _Plan, env: dict) -> list:
@@ -612,13 +988,19 @@ def _scanned(node: _Node, plan: _Plan, env: dict) -> list:
 
 
 def _layer(node: _Node, plan: _Plan, env: dict) -> list:
-  """``node`` as an immediate layer of its parameters' raw leaves."""
+  """``node`` as an immediate layer of its parameters' raw leaves.
+
+  A folded layer also returns its terms (see :func:`_plan`): their
+  cotangents join ``dy`` in its backward rule, so ``dW`` has their
+  gradient, at the old weights.
+  """
   acts = [
     i
     for i, v in enumerate(node.ins)
     if not isinstance(v, jex_core.Literal) and plan.taint[v] is _ACT
   ]
   raw, preprocess = plan.preprocess[id(node)]
+  terms = plan.terms.get(id(node), ([], []))[0]
 
   def fun(x, weights):
     local = collections.ChainMap(dict(zip(raw, weights)), env)
@@ -629,12 +1011,15 @@ def _layer(node: _Node, plan: _Plan, env: dict) -> list:
     ins = [_read(local, v) for v in node.ins]
     for i, value in zip(acts, x):
       ins[i] = value
-    return _bind(node, ins)
+    if not terms:
+      return _bind(node, ins)
+    return _bind(node, ins), [local[v] for v in terms]
 
   name = f"{node.eqn.primitive.name} ({node.where})"
-  return immediate_layer(fun, name=name)(
+  out = immediate_layer(fun, name=name)(
     [env[node.ins[i]] for i in acts], [env[n] for n in raw]
   )
+  return out[0] + out[1] if terms else out
 
 
 def _flatten(args: tuple, kwargs: dict, argnums: int, fun_name: str):
@@ -656,18 +1041,47 @@ def _name(fun) -> str:
   return getattr(fun, "__qualname__", repr(fun))
 
 
-def _analyse(fun, argnums, args, kwargs):
-  """Traces ``fun`` and plans its layers: (program, plan, leaves, paths)."""
+def _analyse(fun, argnums, args, kwargs, only=None):
+  """Traces ``fun`` and plans its layers: (program, plan, leaves, paths).
+
+  With ``only`` (leaf positions), the other parameter leaves are arguments
+  like the data, and ``fun`` is traced as outside a step: the immediate
+  layers and adapters inside it are plain JAX, which this plan replaces.
+  """
   leaves, treedef, paths = _flatten(args, kwargs, argnums, _name(fun))
 
   def call(params, others, kwargs):
     return fun(*others[:argnums], params, *others[argnums:], **kwargs)
 
-  program = _trace(call, leaves, treedef)
+  if only is None:
+    program = _trace(call, leaves, treedef)
+  else:
+    with context.hidden(context.current()):
+      program = _trace(call, leaves, treedef)
   params = {
-    program.inputs[i]: i for i in range(len(paths)) if _is_float(leaves[i])
+    program.inputs[i]: i
+    for i in range(len(paths))
+    if _is_float(leaves[i]) and (only is None or i in only)
   }
   return program, _plan(program, params, paths), leaves, paths
+
+
+def whole(fun: Callable[..., Any], only: frozenset) -> Callable[..., Any]:
+  """The loss ``fun`` made immediate as one program, for ``value_and_grad``.
+
+  Where a layer's weight is also used outside it (an L2 term the loss
+  adds outside ``immgrad.haiku.immediate``'s forward function), the step
+  runs the whole loss through this planner instead, stepping the leaves at
+  positions ``only`` (those the layers claimed) where it can: the term
+  then folds into their layers' steps.
+  """
+
+  def wrapped(params, *args):
+    program, plan, leaves, _ = _analyse(fun, 0, (params, *args), {}, only)
+    values = [leaves[i] for i, n in enumerate(program.inputs) if n is not None]
+    return jax.tree.unflatten(program.out_tree, _run(program, plan, values))
+
+  return wrapped
 
 
 def immediate(

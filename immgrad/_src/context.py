@@ -317,6 +317,35 @@ def current() -> Step | None:
   return stack[-1] if stack else None
 
 
+def analysing() -> Step | None:
+  """The step hidden by :class:`hidden` while its loss is traced whole."""
+  stack = getattr(_active, "stack", [])
+  if stack and stack[-1] is None:
+    return _active.hidden[-1]
+  return None
+
+
+class hidden:  # pylint: disable=invalid-name
+  """Context manager: no step is current inside, :func:`analysing` says
+  which is hidden. ``immgrad.immediate`` traces a whole loss so, to plan
+  it as one program: immediate layers and adapters inside are plain JAX,
+  each decorated layer one unit.
+  """
+
+  def __init__(self, step: Step | None):
+    self._step = step
+
+  def __enter__(self) -> None:
+    if not hasattr(_active, "stack"):
+      _active.stack, _active.hidden = [], []
+    _active.stack.append(None)
+    _active.hidden = getattr(_active, "hidden", []) + [self._step]
+
+  def __exit__(self, *exc) -> None:
+    _active.stack.pop()
+    _active.hidden = _active.hidden[:-1]
+
+
 class opened:  # pylint: disable=invalid-name
   """Context manager: makes ``step`` current while the loss is traced.
 

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from immgrad._src import auto
 from immgrad._src import axes
 from immgrad._src import base
 from immgrad._src import context
@@ -40,13 +41,12 @@ _MODES = {"current": 0.0, "updated": 1.0}
 
 _MIXED = (
   "immgrad.value_and_grad: parameter {path} is stepped by immediate layer "
-  "{layer!r} and also used outside it: either tied (an embedding's "
-  "transpose computing the logits, say) or in a term such as an L2 "
-  "penalty, whose part of the gradient the layer's step would miss. For "
-  "weight decay, drop the term and use optax.adamw or "
-  "optax.add_decayed_weights. Give a tied parameter its own parameter per "
-  "use, or use it only undecorated so that it trains ordinarily (under "
-  "immgrad.immediate: compute every use inside the wrapped function)."
+  "{layer!r} and also used outside it in a way that cannot fold into its "
+  "step: tied (an embedding's transpose for the logits), or in a term "
+  "joining it with other parameters before reducing it to a number "
+  "(sum(w ** 2) folds). The layer's step would miss that part of the "
+  "gradient. For weight decay use optax.adamw; give a tied parameter its "
+  "own parameter per use, or leave it undecorated everywhere."
 )
 
 _NO_LAYER = (
@@ -144,7 +144,7 @@ def value_and_grad(
       f"immgrad.value_and_grad: fun must be callable, got {fun!r}."
     )
 
-  def step(params, opt_state, *args):
+  def step(params, opt_state, *args, _whole=None):
     axes.check_bound(axis_name)
     keyed, treedef = jax.tree_util.tree_flatten_with_path(params)
     paths = [jax.tree_util.keystr(path) for path, _ in keyed]
@@ -182,7 +182,7 @@ def value_and_grad(
         views[i] = slot.watch(view)
         run.add(slot)
       with context.opened(run):
-        out = fun(treedef.unflatten(views), *args)
+        out = (_whole or (fun,))[0](treedef.unflatten(views), *args)
       _check_loss(fun, out, has_aux)
       return out
 
@@ -200,7 +200,19 @@ def value_and_grad(
       )
     cts, dws, nonfinite, changes = backward(jnp.ones_like(value))
     grads = []
+    claimed = {i: s.layer for i, s in enumerate(run.slots) if s.layer}
     for i, slot in enumerate(run.slots):
+      if _whole is None and slot.layer is not None and slot.ordinary:
+        # The whole loss planned as one program may fold that other use
+        # (an L2 term) into the layers' steps; if not, this refusal.
+        mixed = ValueError(_MIXED.format(path=slot.path, layer=slot.layer))
+        whole = auto.whole(fun, frozenset(claimed))
+        try:
+          return step(params, opt_state, *args, _whole=(whole, claimed))
+        except ValueError as e:  # Whatever it refuses, this says why.
+          raise mixed from e
+      if _whole and i in _whole[1] and (slot.layer is None or slot.ordinary):
+        raise ValueError(_MIXED.format(path=slot.path, layer=_whole[1][i]))
       if slot.layer is not None and slot.ordinary:
         raise ValueError(_MIXED.format(path=slot.path, layer=slot.layer))
       if slot.layer is not None and slot.stepped:

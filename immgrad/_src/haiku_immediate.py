@@ -172,6 +172,9 @@ def immediate(
   @functools.wraps(fn)
   def wrapped(*args, **kwargs):
     with _casting(units, compute_dtype):
+      whole = context.analysing()
+      if whole is not None and not _active() and not hk.running_init():
+        return _as_units(fn, units, whole, args, kwargs)
       step = context.current() or auto.surveying()
       if step is None or _active() or hk.running_init():
         return fn(*args, **kwargs)
@@ -232,6 +235,17 @@ def _step(
     )
   hk_stateful.update_internal_state(hk_stateful.InternalState(None, state, rng))
   return out
+
+
+def _as_units(fn, units, step, args, kwargs):
+  """``fn`` traced for a loss planned whole: each call of a module of
+  ``units`` one unit where the step's dX needs module boundaries, as in
+  :func:`_step`.
+  """
+  if step.dx_at == 0 and not step.measure_dx:
+    return fn(*args, **kwargs)
+  with hk.intercept_methods(functools.partial(_unit, units)):
+    return fn(*args, **kwargs)
 
 
 def _owners(fn, params, outer, args, kwargs) -> dict:

@@ -116,6 +116,8 @@ def immediate_layer(
 def _call(fun, layer_name: str, x, params):
   """``fun(x, params)``: immediate inside a step, under ``vmap`` batched."""
   step = context.current()
+  if step is None and context.analysing() is not None:
+    return _unit(fun)(x, params)  # One layer of the loss planned whole.
   if step is None:
     return fun(x, params)
   # pylint: disable-next=protected-access
@@ -163,6 +165,19 @@ def _vmapped(fun, layer_name: str, x, params):
     return y, jax.tree.map(lambda _: True, y)
 
   return call(x, params)
+
+
+def _unit(fun: Callable) -> Callable:
+  """``fun`` as one ``custom_vjp`` whose rule is its own ``jax.vjp``.
+
+  ``immgrad.immediate`` takes such a call for one layer, so a decorated
+  layer stays one layer when the whole loss is planned as one program.
+  """
+  unit = jax.custom_vjp(fun)
+  unit.defvjp(
+    lambda x, params: jax.vjp(fun, x, params), lambda vjp, dy: vjp(dy)
+  )
+  return unit
 
 
 def _batched_somewhere(x) -> bool:
