@@ -144,7 +144,7 @@ def value_and_grad(
       f"immgrad.value_and_grad: fun must be callable, got {fun!r}."
     )
 
-  def step(params, opt_state, *args, _whole=None):
+  def run_step(params, opt_state, args, whole_loss):
     axes.check_bound(axis_name)
     keyed, treedef = jax.tree_util.tree_flatten_with_path(params)
     paths = [jax.tree_util.keystr(path) for path, _ in keyed]
@@ -182,7 +182,7 @@ def value_and_grad(
         views[i] = slot.watch(view)
         run.add(slot)
       with context.opened(run):
-        out = (_whole or (fun,))[0](treedef.unflatten(views), *args)
+        out = (whole_loss or (fun,))[0](treedef.unflatten(views), *args)
       _check_loss(fun, out, has_aux)
       return out
 
@@ -202,17 +202,21 @@ def value_and_grad(
     grads = []
     claimed = {i: s.layer for i, s in enumerate(run.slots) if s.layer}
     for i, slot in enumerate(run.slots):
-      if _whole is None and slot.layer is not None and slot.ordinary:
+      if whole_loss is None and slot.layer is not None and slot.ordinary:
         # The whole loss planned as one program may fold that other use
         # (an L2 term) into the layers' steps; if not, this refusal.
         mixed = ValueError(_MIXED.format(path=slot.path, layer=slot.layer))
         whole = auto.whole(fun, frozenset(claimed))
         try:
-          return step(params, opt_state, *args, _whole=(whole, claimed))
+          return run_step(params, opt_state, args, (whole, claimed))
         except ValueError as e:  # Whatever it refuses, this says why.
           raise mixed from e
-      if _whole and i in _whole[1] and (slot.layer is None or slot.ordinary):
-        raise ValueError(_MIXED.format(path=slot.path, layer=_whole[1][i]))
+      if (
+        whole_loss
+        and i in whole_loss[1]
+        and (slot.layer is None or slot.ordinary)
+      ):
+        raise ValueError(_MIXED.format(path=slot.path, layer=whole_loss[1][i]))
       if slot.layer is not None and slot.ordinary:
         raise ValueError(_MIXED.format(path=slot.path, layer=slot.layer))
       if slot.layer is not None and slot.stepped:
@@ -236,6 +240,9 @@ def value_and_grad(
         ),
       )
     return value, grads
+
+  def step(params, opt_state, *args):
+    return run_step(params, opt_state, args, None)
 
   return step
 
