@@ -450,3 +450,26 @@ def test_layers_names_the_users_line_under_flax_nnx():
   )
   assert len([row for row in table if row.layer]) == 4
   assert _sources(table) == {__file__}
+
+
+def test_a_tied_flax_embedding_warns_with_a_place_for_each_use():
+  """``nnx.Embed.attend`` (flax's wmt model ties its embedding so): tied,
+  and each use has a place, a line or "source unknown", never blank.
+  """
+  nnx = pytest.importorskip("flax.nnx")
+
+  class LM(nnx.Module):
+    def __init__(self, rngs):
+      self.embed = nnx.Embed(10, 4, rngs=rngs)
+      self.dense = nnx.Linear(4, 4, rngs=rngs)
+
+    def __call__(self, tokens):
+      return self.embed.attend(self.dense(self.embed(tokens)))
+
+  graphdef, params = nnx.split(LM(nnx.Rngs(0)), nnx.Param)
+  loss_fn = lambda p, t: jnp.mean(nnx.merge(graphdef, p)(t) ** 2)
+  (warning,) = _warned(immgrad.flax.immediate(loss_fn), params, TOKENS)
+  message = str(warning.message)
+  assert "1 of the 3 parameter leaves" in message
+  assert "['embed']['embedding']" in message and "read by 2 layers" in message
+  assert "()" not in message

@@ -73,7 +73,8 @@ def user_line(source_info) -> str:
 
   As ``source_info_util.summarize``, ``"file:line:column (function)"``, but
   past frames in Flax, Haiku, Equinox, optax and immgrad too (JAX skips
-  only its own); if every frame is theirs, the innermost.
+  only its own); if every frame is theirs, the innermost; if JAX kept
+  none (an equation of an inlined inner program), ``"source unknown"``.
   """
   frames = source_info_util.summarize(source_info, num_frames=_FRAMES)
   lines = frames.split("\n")[::-1]  # Innermost first.
@@ -81,7 +82,7 @@ def user_line(source_info) -> str:
     match = _FRAME.match(line)
     if match and not in_library(match["file"]):
       return line
-  return lines[0]
+  return lines[0] or "source unknown"
 
 
 def user_stacklevel() -> int:
