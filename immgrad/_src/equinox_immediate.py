@@ -2,10 +2,10 @@
 
 :func:`immgrad.immediate` over the step's parameter leaves among ``fn``'s
 arguments, as the params tree: by default every one ("any model", as
-``immgrad.immediate`` itself; what still trains ordinarily, a tied weight
-or an L2 term, is reported by the core). ``modules=`` restricts that to the
-leaves whose innermost ``eqx.Module`` (found by walking the pytree) is one
-of those classes; every other leaf then goes in as the data does.
+``immgrad.immediate`` itself; what still trains ordinarily, a tied weight or a
+recurrent cell's, is reported by the core). ``modules=`` restricts that to the
+leaves whose innermost ``eqx.Module`` (found by walking the pytree) is one of
+those classes; every other leaf then goes in as the data does.
 """
 
 import functools
@@ -48,14 +48,14 @@ def immediate(
       given to ``immgrad.value_and_grad``. The model is per-example and
       called under ``jax.vmap`` (or ``eqx.filter_vmap``) inside ``fn``, as
       usual; call ``fn`` itself at the top level of the loss.
-    modules: None (the default): every parameter leaf among ``fn``'s
-      arguments, as :func:`immgrad.immediate` takes them; what still
-      trains ordinarily (a tied weight, an L2 term) is reported. A tuple of
+    modules: None (the default): every parameter leaf among ``fn``'s arguments,
+      as :func:`immgrad.immediate` takes them; what still trains ordinarily (a
+      tied weight, a recurrent cell's weights) is reported. A tuple of
       ``eqx.Module`` classes (subclasses included): only the arrays those
-      modules hold themselves; it replaces the default, so
-      ``DEFAULT_MODULES + (MyModule,)`` is Equinox's weight-carrying
-      modules (``eqx.nn.Linear``, ``eqx.nn.Conv``, ``eqx.nn.LayerNorm``,
-      ``eqx.nn.RMSNorm``, ``eqx.nn.Embedding``) and yours.
+      modules hold themselves; it replaces the default, so ``DEFAULT_MODULES +
+      (MyModule,)`` is Equinox's weight-carrying modules (``eqx.nn.Linear``,
+      ``eqx.nn.Conv``, ``eqx.nn.LayerNorm``, ``eqx.nn.RMSNorm``,
+      ``eqx.nn.Embedding``) and yours.
     strict: raise ``ValueError`` where an :class:`immgrad.OrdinaryWarning`
       would be issued (a parameter this function was asked to step that
       trains ordinarily: tied, read outside its layer, reused by a loop).

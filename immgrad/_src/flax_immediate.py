@@ -2,10 +2,10 @@
 
 :func:`immgrad.immediate` over the step's parameter leaves among ``fn``'s
 arguments, as the params tree: by default every one ("any model", as
-``immgrad.immediate`` itself; what still trains ordinarily, a tied weight
-or an L2 term, is reported by the core). ``modules=`` restricts that to the
-parameters whose innermost Flax module is one of those classes; every
-other leaf then goes in as the data does.
+``immgrad.immediate`` itself; what still trains ordinarily, a tied weight or a
+recurrent cell's, is reported by the core). ``modules=`` restricts that to the
+parameters whose innermost Flax module is one of those classes; every other leaf
+then goes in as the data does.
 
 Flax's params tree does not name module classes, so ``modules=`` finds
 each leaf's module by its path in the model's graph: NNX graphs from the
@@ -81,14 +81,14 @@ def immediate(
       parameters among its arguments (anywhere, keyword arguments too): an
       NNX model (``nnx.merge(graphdef, params)(x)``, or the model itself)
       or a Linen ``model.apply``.
-    modules: None (the default): every parameter leaf among ``fn``'s
-      arguments, as :func:`immgrad.immediate` takes them; what still
-      trains ordinarily (a tied weight, an L2 term) is reported. A tuple of
-      ``nnx.Module`` or ``nn.Module`` classes (subclasses included): only
-      the parameters those modules hold themselves; it replaces the
-      default, so ``DEFAULT_MODULES + (MyModule,)`` is Flax's
-      weight-carrying modules and yours. For NNX it needs the model: among
-      ``fn``'s arguments, or its ``nnx.GraphDef`` closed over by ``fn``.
+    modules: None (the default): every parameter leaf among ``fn``'s arguments,
+      as :func:`immgrad.immediate` takes them; what still trains ordinarily (a
+      tied weight, a recurrent cell's weights) is reported. A tuple of
+      ``nnx.Module`` or ``nn.Module`` classes (subclasses included): only the
+      parameters those modules hold themselves; it replaces the default, so
+      ``DEFAULT_MODULES + (MyModule,)`` is Flax's weight-carrying modules and
+      yours. For NNX it needs the model: among ``fn``'s arguments, or its
+      ``nnx.GraphDef`` closed over by ``fn``.
     strict: raise ``ValueError`` where an :class:`immgrad.OrdinaryWarning`
       would be issued (a parameter this function was asked to step that
       trains ordinarily: tied, read outside its layer, reused by a loop).

@@ -6,7 +6,8 @@ in) that ``fn`` reads, found with a first, abstract run of ``fn``
 (``jax.eval_shape``, trace time only) under an ``hk.custom_getter``, which
 sees the module that reads each parameter (``GetterContext.module``). By
 default every one ("any model", as ``immgrad.immediate`` itself; what still
-trains ordinarily, a tied weight or an L2 term, is reported by the core);
+trains ordinarily, a tied weight or a recurrent cell's, is reported by the
+core);
 ``modules=`` restricts that to the parameters those classes' modules read.
 Every other leaf is an argument like the data: it keeps an ordinary
 gradient, which the shim applies. Haiku's own code runs unchanged.
@@ -105,13 +106,13 @@ def immediate(
     fn: a Haiku forward function, to be passed to ``hk.transform`` or
       ``hk.transform_with_state`` as usual.
     modules: None (the default): every parameter ``fn`` reads, as
-      :func:`immgrad.immediate` takes them; what still trains ordinarily
-      (a tied weight, an L2 term) is reported. A tuple of ``hk.Module``
-      classes (subclasses included): only the parameters those modules
-      read; it replaces the default, so ``DEFAULT_MODULES + (MyModule,)``
-      is Haiku's weight-carrying modules (``hk.Linear``, ``hk.ConvND``,
-      ``hk.LayerNorm``, ``hk.RMSNorm``, ``hk.Embed``) and yours. The
-      modules of ``immgrad.haiku`` are always chosen. With dX at other
+      :func:`immgrad.immediate` takes them; what still trains ordinarily (a tied
+      weight, a recurrent cell's weights) is reported. A tuple of ``hk.Module``
+      classes (subclasses included): only the parameters those modules read; it
+      replaces the default, so ``DEFAULT_MODULES + (MyModule,)`` is Haiku's
+      weight-carrying modules (``hk.Linear``, ``hk.ConvND``, ``hk.LayerNorm``,
+      ``hk.RMSNorm``, ``hk.Embed``) and yours. The modules of ``immgrad.haiku``
+      are always chosen. With dX at other
       weights than the old ones, each call of a chosen module (by
       default, of ``DEFAULT_MODULES``) is one layer.
     compute_dtype: mixed precision (e.g. ``jnp.bfloat16``): the chosen
