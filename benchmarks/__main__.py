@@ -506,10 +506,10 @@ def table(results) -> str:
 
 
 def _plot(results, path):
-  import matplotlib  # pylint: disable=g-import-not-at-top
+  import matplotlib
 
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  import matplotlib.pyplot as plt
 
   depths = sorted(results["depth_sweep"], key=int)
   methods = [
@@ -545,10 +545,10 @@ def _plot(results, path):
 
 
 def _machine() -> dict:
-  import haiku  # pylint: disable=g-import-not-at-top
-  import optax  # pylint: disable=g-import-not-at-top
+  import haiku
+  import optax
 
-  import immgrad  # pylint: disable=g-import-not-at-top
+  import immgrad
 
   return {
     "date": datetime.datetime.now().isoformat(timespec="seconds"),

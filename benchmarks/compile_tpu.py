@@ -39,15 +39,15 @@ import numpy as np
 os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-1")
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 
-import jax  # pylint: disable=wrong-import-position
-from jax.experimental import topologies  # pylint: disable=wrong-import-position
-from jax.sharding import NamedSharding  # pylint: disable=wrong-import-position
-from jax.sharding import PartitionSpec  # pylint: disable=wrong-import-position
+import jax
+from jax.experimental import topologies
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec
 
-from benchmarks import __main__ as bench  # pylint: disable=wrong-import-position
-from benchmarks import measure  # pylint: disable=wrong-import-position
-from benchmarks import models  # pylint: disable=wrong-import-position
-from immgrad._src import commit  # pylint: disable=wrong-import-position
+from benchmarks import __main__ as bench
+from benchmarks import measure
+from benchmarks import models
+from immgrad._src import commit
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -72,7 +72,7 @@ def traced_for(candidate: measure.Candidate, sharding) -> jax.stages.Traced:
   in this process is the CPU: the accelerator's choice is made here.
   """
   shapes = measure.abstract_inputs(candidate, sharding)
-  step = jax.jit(measure._fresh(candidate.step), donate_argnums=(0, 1))  # pylint: disable=protected-access
+  step = jax.jit(measure._fresh(candidate.step), donate_argnums=(0, 1))
   with mock.patch.object(commit, "by_select", lambda: True):
     return step.trace(*shapes)
 
@@ -125,7 +125,7 @@ def main(argv=None) -> int:
       "optimizer": "adam(1e-3)",
       "libtpu": _libtpu_version(),
     },
-    "machine": bench._machine(),  # pylint: disable=protected-access
+    "machine": bench._machine(),
     "models": {},
   }
   for name, make, _ in bench.accelerator_models(methods):
@@ -143,7 +143,7 @@ def main(argv=None) -> int:
         if figures[c.name] is None:
           figures[c.name] = f
           if args.hlo_dir:
-            folder = os.path.join(args.hlo_dir, bench._slug(name))  # pylint: disable=protected-access
+            folder = os.path.join(args.hlo_dir, bench._slug(name))
             measure.write_hlo(folder, c.name, compiled)
         elif f != figures[c.name]:
           raise RuntimeError(f"{name} | {c.name}: compiled differently")

@@ -200,7 +200,7 @@ def measure_alone(
         ]
         if steps:  # The device's own time per step (a TPU's "Steps" line).
           figures["device_step_seconds"] = steps[0] / 1e6
-      except Exception as e:  # pylint: disable=broad-except
+      except Exception as e:
         figures["device_ops"] = {"error": f"{type(e).__name__}: {e}"}
         state = []  # Lost in the failed trace: freed with it.
     jax.tree.map(lambda a: a.delete(), state)  # Before the next method's.

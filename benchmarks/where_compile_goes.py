@@ -28,8 +28,8 @@ UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
 
 def one(method: str) -> dict:
   """Compiles ``method``'s step in this process; its times and size."""
-  from benchmarks import compile_tpu  # pylint: disable=import-outside-toplevel
-  from benchmarks import models  # pylint: disable=import-outside-toplevel
+  from benchmarks import compile_tpu
+  from benchmarks import models
 
   deep = dict(blocks=24, d_model=256, heads=4, mlp_size=1024, seq=256)
   (c,) = [

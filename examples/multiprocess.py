@@ -53,7 +53,7 @@ def train(args) -> None:
   os.environ["XLA_FLAGS"] = (
     f"--xla_force_host_platform_device_count={args.local_devices}"
   )
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
 
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(
@@ -61,13 +61,13 @@ def train(args) -> None:
     num_processes=args.num_processes,
     process_id=args.process_id,
   )
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
-  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  import optax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+  import numpy as np
+  import optax
 
-  import immgrad  # pylint: disable=g-import-not-at-top
+  import immgrad
 
   @immgrad.immediate_layer
   def dense(x, p):

@@ -28,7 +28,7 @@ def __getattr__(name):
   So ``import immgrad`` loads no model library.
   """
   if name in ("haiku", "flax", "equinox"):
-    import importlib  # pylint: disable=g-import-not-at-top
+    import importlib
 
     return importlib.import_module(f"immgrad.{name}")
   raise AttributeError(f"module 'immgrad' has no attribute {name!r}")

@@ -14,13 +14,12 @@ Needs Equinox: ``pip install "immgrad[equinox]"``.
 """
 
 try:
-  import equinox as _equinox  # noqa: F401  # pylint: disable=unused-import
+  import equinox as _equinox  # noqa: F401
 except ImportError as e:
   raise ImportError(
     'immgrad.equinox needs Equinox: pip install "immgrad[equinox]"'
   ) from e
 
-# pylint: disable=g-import-not-at-top,g-bad-import-order
 from immgrad._src.equinox_immediate import DEFAULT_MODULES as DEFAULT_MODULES
 from immgrad._src.equinox_immediate import immediate as immediate
 

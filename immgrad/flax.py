@@ -16,14 +16,13 @@ Needs Flax: ``pip install "immgrad[flax]"``.
 """
 
 try:
-  import flax  # noqa: F401  # pylint: disable=unused-import
+  import flax  # noqa: F401
 except ImportError as e:
   raise ImportError(
     "immgrad.flax needs Flax, which is not installed: "
     'pip install "immgrad[flax]"'
   ) from e
 
-# pylint: disable=g-import-not-at-top,g-bad-import-order
 from immgrad._src.flax_immediate import DEFAULT_MODULES as DEFAULT_MODULES
 from immgrad._src.flax_immediate import immediate as immediate
 

@@ -73,9 +73,9 @@ import optax
 import optax.contrib
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import immgrad  # pylint: disable=g-import-not-at-top,wrong-import-position
-import oracles  # pylint: disable=g-import-not-at-top,wrong-import-position
-import xla_flags  # pylint: disable=g-import-not-at-top,wrong-import-position
+import immgrad
+import oracles
+import xla_flags
 
 MODULES = {"": optax, "contrib.": optax.contrib}
 
@@ -390,7 +390,7 @@ def discover():
         continue
       try:
         made = build(Case(name, name, obj))
-      except Exception as e:  # pylint: disable=broad-except
+      except Exception as e:
         unclassified.append((name, f"unannotated, cannot be built: {e}"))
         continue
       if isinstance(made, optax.GradientTransformation):
@@ -649,7 +649,7 @@ def _run_jobs(jobs):
         out[key] = fn(params, xs, ys)
       except _PlainFailed as e:
         failed[key] = {"exc": "plain training failed", "msg": str(e)[:2000]}
-      except Exception as e:  # pylint: disable=broad-except
+      except Exception as e:
         failed[key] = {
           "exc": type(e).__name__,
           "msg": str(e)[:2000],
@@ -660,7 +660,7 @@ def _run_jobs(jobs):
   try:
     out = jax.jit(program)(params, xs, ys)
     out = {k: {"err": float(e), "finite": bool(f)} for k, (e, f) in out.items()}
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:
     if len(jobs) == 1:
       return {next(iter(jobs)): {"exc": type(e).__name__, "msg": str(e)[:2000]}}
     out = {}
@@ -681,7 +681,7 @@ def _against_plain(run, loss_fn, plain_loss, train):
   def job(p, x, y):
     try:
       want = _plain_run(plain_loss, train, p, x, y)
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:
       raise _PlainFailed(f"{type(e).__name__}: {e}") from e
     return _error(run(loss_fn, train, p, x, y), want)
 
@@ -717,7 +717,7 @@ def _verdict(tx):
     jax.eval_shape(one_step, params, xs[0], ys[0])
   except ValueError as e:
     return "refused", str(e)
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:
     return "raised", f"{type(e).__name__}: {e}"
   return "accepted", None
 
@@ -728,7 +728,7 @@ def _float32_state(tx, params) -> list:
     return []
   try:
     state = jax.eval_shape(tx.init, params)
-  except Exception:  # pylint: disable=broad-except
+  except Exception:
     return []
   return [
     jax.tree_util.keystr(path)
@@ -741,7 +741,7 @@ def _needs_more(tx, params):
   """None if ``tx.update(grads, state, params)`` runs, else the error."""
   try:
     jax.eval_shape(lambda p: tx.update(p, tx.init(p), p), params)
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:
     return f"{type(e).__name__}: {e}"[:300]
   return None
 
@@ -794,7 +794,7 @@ def evaluate(cases=None, chunk: int = 8, only_accepted: bool = False):
     }
     try:
       tx = build(case, params)
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:
       r["build_error"] = f"{type(e).__name__}: {e}"
       continue
     r["needs_more"] = _needs_more(tx, params)
@@ -1043,7 +1043,7 @@ def finish_subprocess(proc, out: str) -> dict:
 
 
 def results_in_subprocess(dtype: str, only_accepted: bool = False) -> dict:
-  import tempfile  # pylint: disable=g-import-not-at-top
+  import tempfile
 
   with tempfile.TemporaryDirectory() as tmp:
     out = os.path.join(tmp, "results.json")

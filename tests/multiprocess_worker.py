@@ -20,7 +20,7 @@ import sys
 process_id, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 
-import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
+import jax
 
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(
@@ -30,16 +30,16 @@ jax.distributed.initialize(
   initialization_timeout=120,
 )
 
-from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top,wrong-import-position
-from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top,wrong-import-position
-from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top,wrong-import-position
-import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
-import optax  # pylint: disable=g-import-not-at-top,wrong-import-position
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import numpy as np
+import optax
 
-import immgrad  # pylint: disable=g-import-not-at-top,wrong-import-position
+import immgrad
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import multiprocess_problem as problem  # pylint: disable=g-import-not-at-top,wrong-import-position
+import multiprocess_problem as problem
 
 assert jax.process_count() == 2 and jax.device_count() == 4
 mesh = jax.make_mesh((4,), ("data",))

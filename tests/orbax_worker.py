@@ -30,7 +30,7 @@ SAVE_AT = 1  # Then 2 more steps after the restore.
 
 def main(process_id, port, ckpt_dir, out):
   os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
 
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(
@@ -40,7 +40,6 @@ def main(process_id, port, ckpt_dir, out):
     initialization_timeout=120,
   )
 
-  # pylint: disable=g-import-not-at-top
   from jax.experimental import multihost_utils
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
@@ -52,7 +51,6 @@ def main(process_id, port, ckpt_dir, out):
 
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   import multiprocess_problem as problem
-  # pylint: enable=g-import-not-at-top
 
   assert jax.process_count() == 2 and jax.device_count() == 4
   assert jax.local_device_count() == 2

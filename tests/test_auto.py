@@ -477,7 +477,7 @@ def _lm_loss(apply):
 
 
 def _haiku_forward(norm):
-  import haiku as hk  # pylint: disable=g-import-not-at-top
+  import haiku as hk
 
   def forward(tokens):
     h = hk.Embed(VOCAB, D)(tokens)
@@ -497,9 +497,9 @@ def _haiku_forward(norm):
 )
 @pytest.mark.parametrize("opt", list(OPTIMIZERS))
 def test_haiku_model_equals_the_adapter(opt, norm, mode):
-  import haiku as hk  # pylint: disable=g-import-not-at-top
+  import haiku as hk
 
-  import immgrad.haiku  # pylint: disable=g-import-not-at-top,unused-import
+  import immgrad.haiku
 
   forward = _haiku_forward(norm)
   model = hk.without_apply_rng(hk.transform(forward))
@@ -534,7 +534,7 @@ def _in_while(p, x):
 
 
 def _line_of(fun, text):
-  import inspect  # pylint: disable=g-import-not-at-top
+  import inspect
 
   lines, first = inspect.getsourcelines(fun)
   return first + next(i for i, line in enumerate(lines) if text in line)
@@ -633,9 +633,9 @@ def test_scan_over_stacked_parameters(opt):
 
 
 def test_haiku_layer_stack_equals_the_adapter():
-  import haiku as hk  # pylint: disable=g-import-not-at-top
+  import haiku as hk
 
-  import immgrad.haiku  # pylint: disable=g-import-not-at-top,unused-import
+  import immgrad.haiku
 
   def forward(x):
     block = lambda h: jax.nn.relu(hk.Linear(8)(h))
@@ -666,9 +666,9 @@ def test_haiku_mlp_updated_equals_the_adapter_and_the_reference(opt):
   layer boundaries): ``immediate`` on its ``apply``, the Haiku adapter and
   the sequential re-linearization give the same five "updated" steps.
   """
-  import haiku as hk  # pylint: disable=g-import-not-at-top
+  import haiku as hk
 
-  import immgrad.haiku  # pylint: disable=g-import-not-at-top,unused-import
+  import immgrad.haiku
 
   forward = lambda x: hk.nets.MLP([16, 16, 3])(x)
   model = hk.without_apply_rng(hk.transform(forward))

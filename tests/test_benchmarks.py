@@ -26,7 +26,7 @@ def test_naive_baseline_equals_the_sequential_reference():
   data = oracles.batches(jax.random.PRNGKey(1), 3, (5, 6), (5, 3))
   opt = optax.adam(1e-2)
   expected = oracles.sequential_steps(chain, opt, params, data)
-  step = jax.jit(models._naive_step(4, opt))  # pylint: disable=protected-access
+  step = jax.jit(models._naive_step(4, opt))
   states = {k: opt.init(v) for k, v in params.items()}
   history, losses = [], []
   for x, y in data:
@@ -101,7 +101,7 @@ def _peaks(candidates, names):
         .lower(c.params, c.opt_state, *c.batch)
         .compile()
       )
-      peaks[c.name] = measure._peak_bytes(compiled)  # pylint: disable=protected-access
+      peaks[c.name] = measure._peak_bytes(compiled)
   return peaks
 
 
@@ -132,8 +132,8 @@ def test_measuring_alone_compiles_the_program_a_user_runs():
       .lower(c.params, c.opt_state, *c.batch)
       .compile()
     )
-    assert alone[c.name]["flops"] == measure._flops(compiled)  # pylint: disable=protected-access
-    assert alone[c.name]["peak_bytes"] == measure._peak_bytes(compiled)  # pylint: disable=protected-access
+    assert alone[c.name]["flops"] == measure._flops(compiled)
+    assert alone[c.name]["peak_bytes"] == measure._peak_bytes(compiled)
     assert alone[c.name]["median_step_seconds"] > 0
 
 
@@ -178,10 +178,10 @@ def test_profiler_times_are_summed_by_operation():
 
 def _haiku_mlp(methods):
   """An unmodified ``hk.nets.MLP``, adapted and through immgrad.immediate."""
-  import haiku as hk  # pylint: disable=g-import-not-at-top
+  import haiku as hk
 
-  import immgrad  # pylint: disable=g-import-not-at-top
-  import immgrad.haiku  # pylint: disable=g-import-not-at-top
+  import immgrad
+  import immgrad.haiku
 
   forward = lambda x: hk.nets.MLP([64, 64, 8])(x)
   model = hk.without_apply_rng(hk.transform(forward))
@@ -244,8 +244,8 @@ def test_immediate_costs_what_the_adapter_costs(model):
       .compile()
     )
     costs[c.name] = {
-      "flops": measure._flops(compiled),  # pylint: disable=protected-access
-      "peak": measure._peak_bytes(compiled),  # pylint: disable=protected-access
+      "flops": measure._flops(compiled),
+      "peak": measure._peak_bytes(compiled),
     }
   for method in methods:
     if "(immediate" not in method:
@@ -261,7 +261,7 @@ def test_loop_model_without_its_unrolled_twin_stops_before_measuring(tmp_path):
   """On the TPU, ``--models layer_stack`` measured for minutes, then failed
   with a KeyError: its FLOPs come from the unrolled model's figures.
   """
-  from benchmarks import __main__ as cli  # pylint: disable=g-import-not-at-top
+  from benchmarks import __main__ as cli
 
   argv = ["--sizes", "accelerator", "--out", str(tmp_path)]
   with pytest.raises(SystemExit, match=r"hk.layer_stack.*unrolled.*--models"):
@@ -273,7 +273,7 @@ def test_accelerator_run_makes_its_out_folder(tmp_path, monkeypatch):
   """The accelerator run writes its results into a folder it makes (it
   stopped on a missing one after measuring), here with one tiny model.
   """
-  from benchmarks import __main__ as cli  # pylint: disable=g-import-not-at-top
+  from benchmarks import __main__ as cli
 
   methods = ("plain", "plain + apply_if_finite")
   tiny = ("tiny MLP", lambda: models.mlp(2, 8, 4, methods=methods), None)
@@ -291,7 +291,7 @@ def test_immediate_at_accelerator_sizes_measures_both_fronts(
   """``--immediate --sizes accelerator`` measures every method of both
   fronts, each alone, and prints the ratios immediate / adapter.
   """
-  from benchmarks import __main__ as cli  # pylint: disable=g-import-not-at-top
+  from benchmarks import __main__ as cli
 
   def tiny(methods):
     return [("tiny MLP", lambda: models.mlp(1, 8, 4, methods=methods), None)]
@@ -352,8 +352,8 @@ def test_compiling_for_the_tpu_records_each_method_compiled_alike(
   accelerator (by select: no ``conditional`` in its program, where the
   CPU's commit has one per parameter).
   """
-  from benchmarks import __main__ as cli  # pylint: disable=g-import-not-at-top
-  from benchmarks import compile_tpu  # pylint: disable=g-import-not-at-top
+  from benchmarks import __main__ as cli
+  from benchmarks import compile_tpu
 
   methods = ("plain", "current")
   tiny = ("tiny MLP", lambda: models.mlp(2, 8, 4, methods=methods), None)

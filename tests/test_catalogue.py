@@ -198,12 +198,12 @@ WHOLE_TREE_INNER = "clip_by_global_norm"
 @pytest.mark.parametrize("name", WRAPPERS)
 def test_wrapper_does_not_hide_a_whole_tree_rule(name):
   """Around ``clip_by_global_norm``, every wrapper is refused, naming it."""
-  import optax  # pylint: disable=g-import-not-at-top
+  import optax
 
   case = BY_NAME[name]
   inner = optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(1e-2))
   tx = catalogue.build(case, inner=inner)
-  verdict, message = catalogue._verdict(tx)  # pylint: disable=protected-access
+  verdict, message = catalogue._verdict(tx)
   assert verdict != "accepted", f"{name} around {WHOLE_TREE_INNER} accepted"
   if verdict == "refused" and case.rule not in catalogue.EXTRA_ARGS:
     assert (

@@ -35,7 +35,7 @@ def readme_scope():
   code, reason = blocks(ROOT / "README.md")[0]
   assert reason is None
   scope = {}
-  exec(code, scope)  # pylint: disable=exec-used
+  exec(code, scope)
   return scope
 
 
@@ -69,7 +69,6 @@ def test_page_examples_run(page, readme_scope, tmp_path, monkeypatch):
     if reason is not None:
       continue
     try:
-      # pylint: disable-next=exec-used
       exec(compile(code, f"docs/{page}", "exec"), scope)
     except ModuleNotFoundError as e:
       if e.name and e.name.split(".")[0] in OPTIONAL:

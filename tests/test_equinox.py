@@ -29,7 +29,6 @@ pytest.importorskip(
   reason="immgrad.equinox needs the equinox extra "
   "(equinox 0.13.8 refuses jax 0.7.0 and 0.7.1)",
 )
-# pylint: disable=g-import-not-at-top,wrong-import-position
 
 import chex
 import equinox as eqx

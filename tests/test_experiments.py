@@ -741,9 +741,7 @@ def test_lm_bfloat16_a0_steps_as_plain_from_the_same_state():
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
   # The runner's own jitted steps (shard_map over one device, donated).
-  # pylint: disable-next=protected-access
   _, plain_step = train._step_fn("plain", None, task, opt, mesh)
-  # pylint: disable-next=protected-access
   tx, a0_step = train._step_fn("a=0", 0.0, task, opt, mesh)
   plain_grad = jax.jit(jax.grad(task.loss_fn))
   a0_grad = jax.jit(immgrad.value_and_grad(task.loss_fn, tx, mode=0.0))
@@ -961,7 +959,7 @@ def _fake_corpus(tmp_path, monkeypatch, pages=60):
     "1.0-1",
     "CC0",
     "usr/share/doc/fake/html/",
-    corpus._SPHINX_PAGES,  # pylint: disable=protected-access
+    corpus._SPHINX_PAGES,
   )
   monkeypatch.setattr(corpus, "SOURCES", (source,))
   out = tmp_path / "corpus"

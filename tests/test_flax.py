@@ -28,7 +28,6 @@ pytest.importorskip(
   "flax",
   reason="immgrad.flax needs the flax extra (flax 0.12.8 needs jax >= 0.10)",
 )
-# pylint: disable=g-import-not-at-top,wrong-import-position
 
 import chex
 from flax import linen as nn

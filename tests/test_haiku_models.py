@@ -640,7 +640,7 @@ def test_the_private_haiku_seams_the_adapter_uses_exist():
   """immgrad.haiku runs fn in a Haiku frame through haiku._src.stateful
   (private): if a Haiku release moves these, this says which.
   """
-  from haiku._src import stateful  # pylint: disable=g-import-not-at-top
+  from haiku._src import stateful
 
   missing = [
     name

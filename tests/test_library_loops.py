@@ -60,7 +60,7 @@ def _assert_runs(current, updated, plain):
 def _nnx_run(mode):
   """NNX's own loop: ``nnx.Optimizer`` and ``nnx.jit``; plain if no mode."""
   nnx = pytest.importorskip("flax.nnx")
-  import immgrad.flax  # pylint: disable=g-import-not-at-top
+  import immgrad.flax
 
   class MLP(nnx.Module):
     def __init__(self, rngs):
@@ -127,7 +127,7 @@ def _nnx_stateful_run(mode):
   state, which the step returns as aux and ``nnx.update`` writes back.
   """
   nnx = pytest.importorskip("flax.nnx")
-  import immgrad.flax  # pylint: disable=g-import-not-at-top
+  import immgrad.flax
 
   class Net(nnx.Module):
     def __init__(self, rngs):
@@ -196,7 +196,7 @@ def test_nnx_optimizer_loop_with_batch_stats_and_dropout():
 def _linen_run(mode):
   nn = pytest.importorskip("flax.linen")
   train_state = pytest.importorskip("flax.training.train_state")
-  import immgrad.flax  # pylint: disable=g-import-not-at-top
+  import immgrad.flax
 
   class MLP(nn.Module):
     @nn.compact
@@ -246,7 +246,7 @@ def test_linen_train_state_current_equals_plain_and_updated_runs():
 
 def _equinox_run(mode):
   eqx = pytest.importorskip("equinox")
-  import immgrad.equinox  # pylint: disable=g-import-not-at-top
+  import immgrad.equinox
 
   def loss(model, x, y):
     return jnp.mean((jax.vmap(model)(x) - y) ** 2)

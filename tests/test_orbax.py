@@ -316,7 +316,7 @@ def _named(results, name):
 
 
 def test_two_processes_save_one_checkpoint_and_resume_bitwise(tmp_path):
-  import orbax_worker  # pylint: disable=g-import-not-at-top
+  import orbax_worker
 
   ckpt_dir = tmp_path / "ckpt"
   processes = _two_processes(ckpt_dir, tmp_path)

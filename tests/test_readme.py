@@ -12,7 +12,7 @@ def test_readme_training_step_runs():
   blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
   assert blocks, "README.md has no python example"
   scope = {}
-  exec(blocks[0], scope)  # pylint: disable=exec-used
+  exec(blocks[0], scope)
   first = scope["loss"]
   for _ in range(20):
     scope["params"], scope["opt_state"], loss = scope["train_step"](

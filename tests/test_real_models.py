@@ -23,7 +23,6 @@ pytest.importorskip(
   "flax",
   reason="immgrad.flax needs the flax extra (flax 0.12.8 needs jax >= 0.10)",
 )
-# pylint: disable=g-import-not-at-top,wrong-import-position
 
 import chex
 from flax import nnx
@@ -378,7 +377,7 @@ def test_l2_in_the_loss_folds_into_each_layer_linen():
   """Linen, as flax/examples/imagenet/train.py writes it: the kernels'
   squares (``x.ndim > 1``) times ``weight_decay * 0.5``.
   """
-  from flax import linen as nn  # pylint: disable=g-import-not-at-top
+  from flax import linen as nn
 
   model = nn.Sequential([nn.Dense(8), nn.tanh, nn.Dense(3)])
   _, _, _, batches = _l2()
@@ -397,7 +396,7 @@ def test_l2_in_the_loss_folds_into_each_layer_linen():
 
 def test_l2_in_the_loss_folds_into_each_layer_equinox():
   eqx = pytest.importorskip("equinox")
-  import immgrad.equinox  # pylint: disable=g-import-not-at-top
+  import immgrad.equinox
 
   model = eqx.nn.MLP(5, 3, 8, 1, activation=jnp.tanh, key=jax.random.key(0))
   params, static = eqx.partition(model, eqx.is_inexact_array)
@@ -448,7 +447,7 @@ def test_l2_outside_the_haiku_adapter_folds():
   one program, and the term folds into the layers' steps.
   """
   hk = pytest.importorskip("haiku")
-  import immgrad.haiku  # pylint: disable=g-import-not-at-top
+  import immgrad.haiku
 
   forward, l2_loss_of, plain, params, batches = _haiku_l2()
   model = hk.without_apply_rng(hk.transform(immgrad.haiku.immediate(forward)))

@@ -18,9 +18,9 @@ JAX_VERSION = tuple(jax.__version_info__[:3])
 
 # jax 0.10.0 added it to jax.extend.core (and deprecated jax.core's).
 if JAX_VERSION >= (0, 10, 0):
-  from jax.extend.core import get_opaque_trace_state  # noqa: F401  # pylint: disable=g-import-not-at-top,unused-import
+  from jax.extend.core import get_opaque_trace_state  # noqa: F401
 else:
-  from jax.core import get_opaque_trace_state  # noqa: F401  # pylint: disable=g-import-not-at-top,unused-import
+  from jax.core import get_opaque_trace_state  # noqa: F401
 
 
 def varying_axes(x: Any) -> frozenset:
@@ -66,7 +66,7 @@ def dce_rules() -> dict:
   uses them to cut a ``cond`` over the whole tree down to one parameter's
   outputs.
   """
-  from jax._src.interpreters import partial_eval  # pylint: disable=g-import-not-at-top
+  from jax._src.interpreters import partial_eval
 
   return partial_eval.dce_rules
 

@@ -220,7 +220,7 @@ class Step:
     """
     step = self
     while step is not None:
-      slot = step._by_id.get(id(leaf))  # pylint: disable=protected-access
+      slot = step._by_id.get(id(leaf))
       if slot is not None:
         if step is not self or get_opaque_trace_state() != self._trace:
           raise nested_error(user, slot.path)
@@ -325,7 +325,7 @@ def analysing() -> Step | None:
   return None
 
 
-class hidden:  # pylint: disable=invalid-name
+class hidden:
   """Context manager: no step is current inside, :func:`analysing` says
   which is hidden. ``immgrad.immediate`` traces a whole loss so, to plan
   it as one program: immediate layers and adapters inside are plain JAX,
@@ -346,7 +346,7 @@ class hidden:  # pylint: disable=invalid-name
     _active.hidden = _active.hidden[:-1]
 
 
-class opened:  # pylint: disable=invalid-name
+class opened:
   """Context manager: makes ``step`` current while the loss is traced.
 
   Enter it inside the function being differentiated: the trace it is entered
@@ -359,7 +359,7 @@ class opened:  # pylint: disable=invalid-name
   def __enter__(self) -> Step:
     if not hasattr(_active, "stack"):
       _active.stack = []
-    self._step._trace = get_opaque_trace_state()  # pylint: disable=protected-access
+    self._step._trace = get_opaque_trace_state()
     _active.stack.append(self._step)
     return self._step
 

@@ -120,7 +120,6 @@ def _call(fun, layer_name: str, x, params):
     return _unit(fun)(x, params)  # One layer of the loss planned whole.
   if step is None:
     return fun(x, params)
-  # pylint: disable-next=protected-access
   if get_opaque_trace_state() != step._trace and _batched_somewhere(
     (x, params)
   ):

@@ -106,7 +106,7 @@ def _applies_to(tx, params) -> bool:
   try:
     state = jax.eval_shape(tx.init, params)
     jax.eval_shape(tx.update, params, state, params)
-  except Exception:  # pylint: disable=broad-except
+  except Exception:
     return False
   return True
 
@@ -164,7 +164,7 @@ def cut(tx: optax.GradientTransformation, params: Any) -> plan_lib.Plan:
   except plan_lib.NotSeparable:
     _check_separable(tx, params)
     raise
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:
     name = culprit = _name(tx)
     parts = _parts(tx)
     while parts:

@@ -39,7 +39,6 @@ def scan(
   length=None,
   reverse: bool = False,
   unroll=1,
-  _split_transpose: bool = False,
 ):
   """``jax.lax.scan`` for bodies that call immediate layers on slices of xs.
 
@@ -78,7 +77,6 @@ def scan(
       length=length,
       reverse=reverse,
       unroll=unroll,
-      _split_transpose=_split_transpose,
     )
 
   step = context.current()

@@ -159,8 +159,8 @@ def shim(
     )
 
   result = ShimTransformation(init_fn, update_fn)
-  result._inner = tx  # pylint: disable=protected-access
-  result._atomic = atomic  # pylint: disable=protected-access
+  result._inner = tx
+  result._atomic = atomic
   return result
 
 

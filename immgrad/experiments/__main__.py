@@ -704,7 +704,7 @@ def _dx_rows(summaries, methods):
 def _progress(args, total, desc):
   if args.no_progress:
     return None
-  from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+  from tqdm import tqdm
 
   return tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True)
 
@@ -748,7 +748,7 @@ def _sweep_table(sweep, aggregates, methods):
           "diverged at step " + ", ".join(str(s) for s in agg["diverged_at"])
         )
       else:
-        cells.append(report._cell(agg["final_smoothed_train_loss"]))  # pylint: disable=protected-access
+        cells.append(report._cell(agg["final_smoothed_train_loss"]))
     rows.append(f"| {lr_value:g} | " + " | ".join(cells) + " |")
   rows.append("")
   for m in methods:

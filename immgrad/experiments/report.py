@@ -282,10 +282,10 @@ def plot(
   path: str, records: list[dict], steps: int, unit: str, title: str
 ) -> None:
   """Smoothed train loss against step and against wall seconds."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
+  import matplotlib
 
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  import matplotlib.pyplot as plt
 
   colors = _colors([r["method"] for r in records])
   fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -512,7 +512,7 @@ def mode_table(per_method: dict, unit: str, title: str) -> tuple[str, dict]:
 
 def natural_key(name: str):
   """Sorts ``linear_2`` before ``linear_10`` (Haiku's creation order)."""
-  import re  # pylint: disable=g-import-not-at-top
+  import re
 
   return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
 
@@ -577,10 +577,10 @@ def dx_table(rows: list[dict]) -> str:
 
 def plot_dx(path: str, records: list[dict], title: str) -> None:
   """dX change against step, one line per layer, one panel per lr and a."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
+  import matplotlib
 
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  import matplotlib.pyplot as plt
 
   records = [r for r in records if r.get("dx_change")]
   if not records:

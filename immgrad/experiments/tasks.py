@@ -98,7 +98,7 @@ def _deep_mlp(images):
 
 
 def _digits_data():
-  from sklearn import datasets  # pylint: disable=g-import-not-at-top
+  from sklearn import datasets
 
   data = datasets.load_digits()
   images = (data.images / 16.0).astype(np.float32)
