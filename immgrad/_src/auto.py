@@ -472,11 +472,7 @@ def _folds(program: _Program, uses: _Uses):
   and, for the leaves of terms that cannot fold, why.
   """
   folds, why = {}, {}
-  consumers = collections.defaultdict(list)
-  for node in program.nodes:
-    for v in node.ins:
-      if not isinstance(v, jex_core.Literal):
-        consumers[v].append(node)
+  consumers = _consumers(program)
   for layer in uses.layers:
     reads = _reads(layer, uses)
     others = [
@@ -517,6 +513,16 @@ def _folds(program: _Program, uses: _Uses):
       continue
     folds[id(layer)] = fold
   return folds, why
+
+
+def _consumers(program: _Program) -> dict:
+  """Value number -> the nodes that read it, in program order."""
+  consumers = collections.defaultdict(list)
+  for node in program.nodes:
+    for v in node.ins:
+      if not isinstance(v, jex_core.Literal):
+        consumers[v].append(node)
+  return consumers
 
 
 def _meets_as_term(node: _Node, taint: dict) -> bool:
@@ -609,11 +615,7 @@ def _out_of_order(program: _Program, folds: dict, failed: dict) -> dict:
   them), which fails if the layer's own input depends on them, or if one
   is inside a ``jax.checkpoint`` that runs before the layer.
   """
-  consumers = collections.defaultdict(list)
-  for node in program.nodes:
-    for v in node.ins:
-      if not isinstance(v, jex_core.Literal):
-        consumers[v].append(node)
+  consumers = _consumers(program)
   position = {id(node): i for i, node in enumerate(program.nodes)}
   out = {}
   for key, fold in folds.items():
