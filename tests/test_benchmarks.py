@@ -330,7 +330,7 @@ def test_each_layer_outside_a_loop_steps_on_a_whole_gradient(
   output, and `updated` (atomic=False) took 1.12x plain's device time on
   the 12-block transformer, 0.97x with it; inside immgrad.scan's loop the
   barrier cost instead (the scan MLP 1.12x against 1.06x; TPU v5e,
-  docs/tpu.md). Counted in the training step's program: one per stepping
+  docs/devlog.md). Counted in the training step's program: one per stepping
   layer of a 3-layer MLP; with its two hidden layers under immgrad.scan,
   one (the head); none when no layer steps in the backward pass.
   """

@@ -72,7 +72,7 @@ def test_model_and_rule_on_another_device_equal_unrolled():
   XLA compiled the check of a 16x2048x2048 stack for over 40 s); a model
   and a rule's array (the learning rate) on the last of the four CPU
   devices still train as plain training. On a CPU alone this cannot show
-  which backend ran the check (docs/tpu.md has the chip's timings).
+  which backend ran the check (docs/devlog.md has the chip's timings).
   """
   device = jax.devices("cpu")[-1]
   chain, unrolled = _params()

@@ -270,7 +270,7 @@ def by_select() -> bool:
   On a TPU or GPU a commit is elementwise, ``where(ok, new, old)``, which
   XLA fuses with the step and ``optax.apply_updates`` into one pass over
   the weights and state, written in place; a ``lax.cond`` per leaf there
-  blocks that fusion and moves about twice the bytes (docs/tpu.md). On the
+  blocks that fusion and moves about twice the bytes (docs/devlog.md). On the
   CPU the conds keep the peak memory low (``docs/design.md``): XLA's CPU
   scheduler computes the selected values before it frees the old ones. The
   choice follows ``jax.default_backend()``, where a step runs unless it is

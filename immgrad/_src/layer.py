@@ -290,7 +290,7 @@ def _immediate(fun, step: context.Step, slots, treedef, x):
         # slower than plain training on a v5e; with it, 3% faster. In a
         # loop's body the barrier costs instead (the scan MLP's step 1.12x
         # plain's against 1.06x, hk.layer_stack's 1.050x against 1.040x):
-        # there the fused update is the cheaper program (docs/tpu.md).
+        # there the fused update is the cheaper program (docs/devlog.md).
         dw = lax.optimization_barrier(dw)
       stepped = [
         commit.step_parameter(slot.program, g, s, w)
