@@ -12,6 +12,8 @@ reported by the suite, not a promise of ours.)
 import json
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -379,3 +381,25 @@ def test_compiling_for_the_tpu_records_each_method_compiled_alike(
     .compile()
   )
   assert measure.hlo_counts(compiled.as_text())["conditional"] > 0
+
+
+def test_memory_floor_steps_are_adam_steps():
+  """The hand-written in-loop steps of benchmarks.memory_floor train as
+  plain jax.grad + optax.adam does: same new weights and state after one
+  step (float32; the sums run in another order, so 1e-6 relative).
+  """
+  from benchmarks import memory_floor
+
+  p = jax.random.normal(jax.random.PRNGKey(0), (3, 4, 4)) / 2
+  x = jax.random.normal(jax.random.PRNGKey(1), (2, 4))
+  opt_state = optax.adam(1e-3).init(p)
+  want_p, want_state, want_loss = memory_floor.plain(p, opt_state, x)
+  zeros = jnp.zeros_like(p)
+  for in_place in (False, True):
+    got_p, m, v, loss = memory_floor.in_loop(
+      p, zeros, zeros, x, in_place=in_place
+    )
+    np.testing.assert_allclose(got_p, want_p, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(m, want_state[0].mu, rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(v, want_state[0].nu, rtol=1e-6, atol=1e-12)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)

@@ -1,0 +1,132 @@
+"""``python -m benchmarks.memory_floor``: how low a step's peak memory can go.
+
+Hand-written training steps for a stack of ``L`` tanh layers of ``D x D``
+under ``lax.scan`` with adam (no immgrad), compiled with the parameters
+and state donated, peak memory (XLA's ``memory_analysis``: temp +
+arguments + outputs - aliased) in units of the parameters' bytes:
+
+* ``plain``: ``jax.value_and_grad`` + ``optax.adam`` + ``apply_updates``;
+* ``update stack``: a backward loop that steps each layer as soon as its
+  gradient exists, writes the new adam state in place and the update into
+  a stack; then ``params + updates``, as every optax training step ends;
+* ``weights in place``: the same loop writing the new weights over the
+  old ones, returning them (no ``apply_updates``).
+
+Only the last can drop below parameters + state + one gradient's worth:
+``apply_updates(params, updates)`` reads the old weights after the
+backward pass, so they and a stack of updates are alive together. XLA
+CPU also copies the carried state in the loop (worse than plain there).
+``--tpu`` compiles for one TPU v5e chip with no chip (libtpu on the
+``PYTHONPATH``, as ``benchmarks.compile_tpu`` says).
+"""
+
+import argparse
+import math
+import os
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import optax
+
+
+def _adam(g, m, v, count, lr=1e-3):
+  """One adam step on a slice (optax.adam's arithmetic, by hand)."""
+  m = 0.9 * m + 0.1 * g
+  v = 0.999 * v + 0.001 * g * g
+  mh, vh = m / (1 - 0.9 ** (count + 1)), v / (1 - 0.999 ** (count + 1))
+  return -lr * mh / (jnp.sqrt(vh) + 1e-8), m, v
+
+
+def _loss(p, x):
+  return jnp.mean(lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, p)[0] ** 2)
+
+
+def plain(p, opt_state, x):
+  tx = optax.adam(1e-3)
+  loss, g = jax.value_and_grad(_loss)(p, x)
+  u, opt_state = tx.update(g, opt_state, p)
+  return optax.apply_updates(p, u), opt_state, loss
+
+
+def in_loop(p, m, v, x, *, in_place: bool):
+  """The step with each layer stepped in the backward loop."""
+  y, hs = lax.scan(lambda h, w: (jnp.tanh(h @ w), h), x, p)
+  dy = 2 * y / y.size
+
+  def layer(carry, i):
+    d, out, m, v = carry
+    w, h = (p if not in_place else out)[i], hs[i]
+    z = jnp.tanh(h @ w)
+    dz = d * (1 - z**2)
+    u, m_i, v_i = _adam(h.T @ dz, m[i], v[i], 0)
+    out = out.at[i].set(w + u if in_place else u)
+    return (dz @ w.T, out, m.at[i].set(m_i), v.at[i].set(v_i)), None
+
+  start = p if in_place else jnp.zeros_like(p)
+  rows = jnp.arange(p.shape[0])[::-1]
+  (_, out, m, v), _ = lax.scan(layer, (dy, start, m, v), rows)
+  return (out if in_place else p + out), m, v, jnp.mean(y**2)
+
+
+def peak(step, args, donate, sharding=None) -> float:
+  """Peak bytes of ``jit(step)`` on ``args`` over the first arg's bytes."""
+  shapes = jax.tree.map(
+    lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), args
+  )
+  m = jax.jit(step, donate_argnums=donate).lower(*shapes).compile()
+  m = m.memory_analysis()
+  total = (
+    m.temp_size_in_bytes
+    + m.argument_size_in_bytes
+    + m.output_size_in_bytes
+    - m.alias_size_in_bytes
+  )
+  first = args[0]
+  return total / (math.prod(first.shape) * jnp.dtype(first.dtype).itemsize)
+
+
+def floors(layers: int, width: int, batch: int, sharding=None) -> dict:
+  """Each step's peak memory in parameters' bytes."""
+  p = jax.ShapeDtypeStruct((layers, width, width), jnp.float32)
+  x = jax.ShapeDtypeStruct((batch, width), jnp.float32)
+  opt_state = jax.eval_shape(optax.adam(1e-3).init, p)
+  return {
+    "plain": peak(plain, (p, opt_state, x), (0, 1), sharding),
+    "update stack": peak(
+      lambda p, m, v, x: in_loop(p, m, v, x, in_place=False),
+      (p, p, p, x),
+      (0, 1, 2),
+      sharding,
+    ),
+    "weights in place": peak(
+      lambda p, m, v, x: in_loop(p, m, v, x, in_place=True),
+      (p, p, p, x),
+      (0, 1, 2),
+      sharding,
+    ),
+  }
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--layers", type=int, default=24)
+  parser.add_argument("--width", type=int, default=2048)
+  parser.add_argument("--batch", type=int, default=8)
+  parser.add_argument("--tpu", action="store_true")
+  args = parser.parse_args(argv)
+  sharding = None
+  if args.tpu:
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-1")
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    from benchmarks.compile_tpu import tpu_sharding
+
+    sharding = tpu_sharding()
+  for name, ratio in floors(
+    args.layers, args.width, args.batch, sharding
+  ).items():
+    print(f"{name:18s} {ratio:.3f}x the parameters' bytes")
+
+
+if __name__ == "__main__":
+  main()
