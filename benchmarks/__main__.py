@@ -24,8 +24,8 @@ and bytes accessed and counts of operations in the optimized HLO are
 recorded too. ``--models`` keeps the models whose names contain one of the
 given strings, ``--merge`` adds them to an existing results file,
 ``--profile`` also traces each method with ``jax.profiler`` and records
-the device time of its longest operations, and ``--hlo-dir`` writes each
-step's optimized HLO. See docs/costs.md.
+the device's step time and its time by kind of operation, and
+``--hlo-dir`` writes each step's optimized HLO. See docs/costs.md.
 
 ``--immediate`` instead measures each immgrad method built by
 ``immgrad.immediate`` on the undecorated model against the same method
