@@ -33,7 +33,7 @@ built by the model's adapter (``immgrad.immediate_layer``,
 ``immgrad.haiku.immediate``). At CPU sizes all in one process, interleaved:
 writes ``benchmarks/results_immediate.json``; at accelerator sizes each
 method alone as above (``--models``, ``--merge``, ``--profile`` apply):
-writes ``results_immediate_accelerator.json``. Both print docs/auto.md's
+writes ``results_immediate_accelerator.json``. Both print docs/costs.md's
 table.
 
 ``python -m benchmarks.compile_tpu`` compiles the accelerator models for a
@@ -425,7 +425,7 @@ def main_immediate(args) -> int:
 
 
 def immediate_table(results) -> str:
-  """docs/auto.md's table: immgrad.immediate / the adapter, same run.
+  """docs/costs.md's table: immgrad.immediate / the adapter, same run.
 
   Step times are the device clock's where both were traced (``--profile``).
   """
