@@ -24,8 +24,8 @@ and bytes accessed and counts of operations in the optimized HLO are
 recorded too. ``--models`` keeps the models whose names contain one of the
 given strings, ``--merge`` adds them to an existing results file,
 ``--profile`` also traces each method with ``jax.profiler`` and records
-the device time of its longest operations, and ``--hlo-dir`` writes each
-step's optimized HLO. See docs/costs.md.
+the device's step time and its time by kind of operation, and
+``--hlo-dir`` writes each step's optimized HLO. See docs/costs.md.
 
 ``--immediate`` instead measures each immgrad method built by
 ``immgrad.immediate`` on the undecorated model against the same method
@@ -33,7 +33,7 @@ built by the model's adapter (``immgrad.immediate_layer``,
 ``immgrad.haiku.immediate``). At CPU sizes all in one process, interleaved:
 writes ``benchmarks/results_immediate.json``; at accelerator sizes each
 method alone as above (``--models``, ``--merge``, ``--profile`` apply):
-writes ``results_immediate_accelerator.json``. Both print docs/auto.md's
+writes ``results_immediate_accelerator.json``. Both print docs/costs.md's
 table.
 
 ``python -m benchmarks.compile_tpu`` compiles the accelerator models for a
@@ -425,7 +425,7 @@ def main_immediate(args) -> int:
 
 
 def immediate_table(results) -> str:
-  """docs/auto.md's table: immgrad.immediate / the adapter, same run.
+  """docs/costs.md's table: immgrad.immediate / the adapter, same run.
 
   Step times are the device clock's where both were traced (``--profile``).
   """

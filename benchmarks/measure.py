@@ -162,9 +162,9 @@ def measure_alone(
 
   Besides :func:`measure`'s figures: bytes accessed, counts of operations
   in the optimized HLO (:func:`hlo_counts`), and with ``profile`` the
-  device time of each operation over ``repeats`` more steps, from a
-  ``jax.profiler`` trace (:func:`device_ops`). With ``hlo_dir`` the
-  optimized HLO of each step is written there.
+  device's time per step and by kind of operation over ``repeats`` more
+  steps, from a ``jax.profiler`` trace (:func:`device_ops`). With
+  ``hlo_dir`` the optimized HLO of each step is written there.
   """
   out = {}
   for c in candidates:
@@ -260,16 +260,17 @@ def hlo_counts(text: str) -> dict[str, int]:
   return {op: counts.get(op, 0) for op in _COUNTED}
 
 
-def device_ops(compiled, state, batch, steps: int, top: int = 50):
-  """Device time per operation over ``steps`` steps, from a profiler trace.
+def device_ops(compiled, state, batch, steps: int):
+  """Device time by kind of operation over ``steps`` steps, from a trace.
 
   Returns the times and the state after those steps.
 
   Sums the durations of the events on each device plane's lines (on a TPU
-  the line "XLA Ops" holds one event per HLO operation run) and keeps the
-  ``top`` longest operations of each line, in microseconds per step, and
-  every operation summed by kind (:func:`by_kind`). On a
-  CPU the events are the host threads' (no per-op device time).
+  the line "XLA Ops" holds one event per HLO operation run), in
+  microseconds per step: each line's total and its operations summed by
+  kind (:func:`by_kind`). Single operations are left to the trace itself
+  (their names are whole HLO instructions: a results file of them ran to
+  a megabyte). On a CPU the events are the host threads' (no device time).
   """
   with tempfile.TemporaryDirectory() as folder:
     with jax.profiler.trace(folder):
@@ -292,7 +293,6 @@ def device_ops(compiled, state, batch, steps: int, top: int = 50):
         lines[f"{plane.name} | {line.name}"] = {
           "total_us": sum(total.values()),
           "ops": len(total),
-          "top_us": dict(total.most_common(top)),
           "by_kind_us": by_kind(total),
         }
   return lines, state

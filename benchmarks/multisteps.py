@@ -4,7 +4,7 @@
 ``models.mlp`` (8 layers of 512, batch 64 a micro-batch): plain training
 with it against immgrad's methods with it, compiled and timed interleaved
 in one process (``measure.measure``), as ratios to plain; then the same
-with ``optax.adam(1e-3)`` alone, for comparison. Prints docs/optimizer.md's
+with ``optax.adam(1e-3)`` alone, for comparison. Prints docs/accumulation.md's
 table.
 """
 

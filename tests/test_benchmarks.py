@@ -213,7 +213,7 @@ def test_immediate_costs_what_the_adapter_costs(model):
   the MLP, within +0.8% on the block (its LayerNorms are split into the
   ``mul`` of the scale and the ``add`` of the offset, which keep their
   own residuals). Under ``hk.layer_stack`` the same split costs +1.4%
-  (docs/auto.md), which this test does not cover.
+  (docs/costs.md), which this test does not cover.
 
   Since the adapter stands on ``immgrad.immediate`` (issue 27, the
   adapter's last step), ``current`` is the same program both ways, and in
