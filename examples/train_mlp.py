@@ -7,7 +7,13 @@
 
 The task is a synthetic regression: a random "teacher" MLP labels Gaussian
 inputs and a student of the same shape learns it, so it runs anywhere in a
-few seconds with no download. Run: ``python examples/train_mlp.py``.
+few seconds with no download:
+
+    python -m pip install .
+    python examples/train_mlp.py --steps 200
+
+Prints the three losses every tenth of the run and how far ``current`` is
+from plain.
 """
 
 import argparse
@@ -25,22 +31,21 @@ def dense(x, params):
 
 
 def init_mlp(key, sizes):
-  params = {}
-  for i, (k, n_in, n_out) in enumerate(
-    zip(jax.random.split(key, len(sizes) - 1), sizes[:-1], sizes[1:])
-  ):
-    params[f"layer{i}"] = {
+  """A list of layers, each ``{"w", "b"}``, He-initialised."""
+  keys = jax.random.split(key, len(sizes) - 1)
+  return [
+    {
       "w": jax.random.normal(k, (n_in, n_out)) * np.sqrt(2.0 / n_in),
       "b": jnp.zeros(n_out),
     }
-  return params
+    for k, n_in, n_out in zip(keys, sizes[:-1], sizes[1:])
+  ]
 
 
 def mlp(layer, params, x):
-  names = sorted(params, key=lambda n: int(n.removeprefix("layer")))
-  for name in names[:-1]:
-    x = jax.nn.relu(layer(x, params[name]))
-  return layer(x, params[names[-1]])
+  for p in params[:-1]:
+    x = jax.nn.relu(layer(x, p))
+  return layer(x, params[-1])
 
 
 def make_loss(layer):

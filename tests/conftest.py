@@ -56,6 +56,7 @@ SLOWEST_FIRST = (
   "test_experiments.py",  # 168 s
   "test_catalogue.py",  # 93 (two processes at once)
   "test_xla_defaults.py",  # 65 (a pytest process at XLA's defaults)
+  "test_examples.py",  # 122 alone on a busy machine (7 example scripts)
   "test_real_models.py",  # 43
   "test_equinox.py",  # 41
   "test_flax.py",  # 41
@@ -67,7 +68,6 @@ SLOWEST_FIRST = (
   "test_scan.py",  # 26
   "test_parallel.py",  # 26
   "test_current.py",  # 20
-  "test_examples.py",  # 18
   "test_reparam.py",  # 17
   "test_orbax.py",  # 17
 )
