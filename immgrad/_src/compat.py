@@ -18,7 +18,7 @@ JAX_VERSION = tuple(jax.__version_info__[:3])
 
 # jax 0.10.0 added it to jax.extend.core (and deprecated jax.core's).
 if JAX_VERSION >= (0, 10, 0):
-  from jax.extend.core import get_opaque_trace_state  # noqa: F401
+  from jax.extend.core import get_opaque_trace_state
 else:
   from jax.core import get_opaque_trace_state  # noqa: F401
 
