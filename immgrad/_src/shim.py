@@ -158,10 +158,7 @@ def shim(
       ShimState(inner=plan.state_def.unflatten(new), rejected=rejected),
     )
 
-  result = ShimTransformation(init_fn, update_fn)
-  result._inner = tx
-  result._atomic = atomic
-  return result
+  return ShimTransformation(init_fn, update_fn, inner=tx, atomic=atomic)
 
 
 def _as_transformation(tx: Any) -> optax.GradientTransformation:
