@@ -76,7 +76,7 @@ _UNSUPPORTED = (
   "(immgrad.haiku, immgrad.flax, immgrad.equinox)."
 )
 
-_NOT_A_PARAMETER = (
+_ARGUMENT_NOT_A_PARAMETER = (
   "immgrad.immediate: params{path} (argument {argnums}) is not a parameter "
   "leaf given to immgrad.value_and_grad. Pass the params tree the step "
   "hands the loss, unchanged; cast or transform it inside `fun`."
@@ -1039,7 +1039,7 @@ def _flatten(args: tuple, kwargs: dict, argnums: int, fun_name: str):
   return leaves, treedef, paths
 
 
-def _name(fun) -> str:
+def _qualname(fun) -> str:
   return getattr(fun, "__qualname__", repr(fun))
 
 
@@ -1050,7 +1050,7 @@ def _analyse(fun, argnums, args, kwargs, only=None):
   like the data, and ``fun`` is traced as outside a step: the immediate
   layers and adapters inside it are plain JAX, which this plan replaces.
   """
-  leaves, treedef, paths = _flatten(args, kwargs, argnums, _name(fun))
+  leaves, treedef, paths = _flatten(args, kwargs, argnums, _qualname(fun))
 
   def call(params, others, kwargs):
     return fun(*others[:argnums], params, *others[argnums:], **kwargs)
@@ -1148,13 +1148,15 @@ def immediate(
     for i in plan.params.values():
       if step.find(leaves[i], "immgrad.immediate") is None:
         raise ValueError(
-          _NOT_A_PARAMETER.format(path=paths[i], argnums=argnums)
+          _ARGUMENT_NOT_A_PARAMETER.format(path=paths[i], argnums=argnums)
         )
     for const in program.consts.values():
       slot = step.find(const, "immgrad.immediate")
       if slot is not None:
         raise ValueError(
-          _CLOSED_OVER.format(fun=_name(fun), path=slot.path, argnums=argnums)
+          _CLOSED_OVER.format(
+            fun=_qualname(fun), path=slot.path, argnums=argnums
+          )
         )
     ordinary_lib.report(plan.ordinary, len(plan.params), paths, strict)
     values = [leaves[i] for i, n in enumerate(program.inputs) if n is not None]
@@ -1236,7 +1238,7 @@ def layers(fun: Callable[..., Any], params: Any, *args, **kwargs) -> Layers:
   """
   fun, argnums = getattr(fun, "immediate_fun", (fun, 0))
   args = args[:argnums] + (params,) + args[argnums:]
-  leaves, treedef, paths = _flatten(args, kwargs, argnums, _name(fun))
+  leaves, treedef, paths = _flatten(args, kwargs, argnums, _qualname(fun))
   rows = _surveyed(fun, argnums, leaves, treedef, paths)
   if rows is None:  # fun calls no immediate function: it is one.
     _, plan, leaves, paths = _analyse(fun, argnums, args, kwargs)

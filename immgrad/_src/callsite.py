@@ -107,17 +107,18 @@ def enclosing_transformation() -> tuple[str | None, str | None]:
   for i, frame in enumerate(frames):
     if frame.name == _LIFTING_RULE and frame.filename.endswith(_LAYER_FILE):
       lifted += 1
-    name = _match(frame)
+    name = _transformation_at(frame)
     if name == "jax.vmap" and lifted:  # Handled: the layer left this vmap.
       lifted -= 1
       continue
     if name is None:
       continue
     if name == "lax.scan":  # fori_loop and map call scan: name the caller.
-      outer = [_match(f) for f in frames[i + 1 : i + 4]]
+      outer = [_transformation_at(f) for f in frames[i + 1 : i + 4]]
       name = next((n for n in outer if n in _BUILT_ON_SCAN), name)
     user = next(
-      (f for f in frames[i + 1 :] if not _in_library(f.filename)), None
+      (f for f in frames[i + 1 :] if not _library_or_generated(f.filename)),
+      None,
     )
     return name, (
       None
@@ -127,11 +128,11 @@ def enclosing_transformation() -> tuple[str | None, str | None]:
   return None, None
 
 
-def _match(frame) -> str | None:
+def _transformation_at(frame) -> str | None:
   if os.sep + "jax" + os.sep + "_src" + os.sep not in frame.filename:
     return None
   return _TRANSFORMATIONS.get((os.path.basename(frame.filename), frame.name))
 
 
-def _in_library(filename: str) -> bool:
+def _library_or_generated(filename: str) -> bool:
   return in_library(filename) or filename.startswith("<")

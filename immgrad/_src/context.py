@@ -308,20 +308,20 @@ def watched(leaf: jax.Array, on_use: Callable[[], None]) -> jax.Array:
   return sentinel(leaf)
 
 
-_active = threading.local()
+_steps = threading.local()
 
 
 def current() -> Step | None:
   """The innermost open step, or None outside ``immgrad.value_and_grad``."""
-  stack = getattr(_active, "stack", [])
+  stack = getattr(_steps, "stack", [])
   return stack[-1] if stack else None
 
 
 def analysing() -> Step | None:
   """The step hidden by :class:`hidden` while its loss is traced whole."""
-  stack = getattr(_active, "stack", [])
+  stack = getattr(_steps, "stack", [])
   if stack and stack[-1] is None:
-    return _active.hidden[-1]
+    return _steps.hidden[-1]
   return None
 
 
@@ -336,14 +336,14 @@ class hidden:
     self._step = step
 
   def __enter__(self) -> None:
-    if not hasattr(_active, "stack"):
-      _active.stack, _active.hidden = [], []
-    _active.stack.append(None)
-    _active.hidden = getattr(_active, "hidden", []) + [self._step]
+    if not hasattr(_steps, "stack"):
+      _steps.stack, _steps.hidden = [], []
+    _steps.stack.append(None)
+    _steps.hidden = getattr(_steps, "hidden", []) + [self._step]
 
   def __exit__(self, *exc) -> None:
-    _active.stack.pop()
-    _active.hidden = _active.hidden[:-1]
+    _steps.stack.pop()
+    _steps.hidden = _steps.hidden[:-1]
 
 
 class opened:
@@ -357,11 +357,11 @@ class opened:
     self._step = step
 
   def __enter__(self) -> Step:
-    if not hasattr(_active, "stack"):
-      _active.stack = []
+    if not hasattr(_steps, "stack"):
+      _steps.stack = []
     self._step._trace = get_opaque_trace_state()
-    _active.stack.append(self._step)
+    _steps.stack.append(self._step)
     return self._step
 
   def __exit__(self, *exc) -> None:
-    _active.stack.pop()
+    _steps.stack.pop()

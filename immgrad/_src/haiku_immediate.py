@@ -275,7 +275,7 @@ def _owners(fn, params, outer, args, kwargs) -> dict:
         fn(*args, **kwargs)
 
   leaves, treedef = jax.tree.flatten((args, kwargs))
-  positions = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
+  positions = [i for i, leaf in enumerate(leaves) if _is_array_like(leaf)]
   jax.eval_shape(
     probe, params, outer.state, outer.rng, [leaves[i] for i in positions]
   )
@@ -297,7 +297,7 @@ def _owner(owners: dict, bundle: str, name: str) -> tuple[bool, type | None]:
   return (True, owners[max(inner, key=len), name]) if inner else (False, None)
 
 
-def _is_array(x) -> bool:
+def _is_array_like(x) -> bool:
   return (
     isinstance(x, (jax.Array, jax.ShapeDtypeStruct))
     or hasattr(x, "__jax_array__")
@@ -331,7 +331,7 @@ def _unit(chosen, next_f, args, kwargs, ctx):
   params = {b: p for b, p in frame.params.items() if own(b)}
   state = {b: s for b, s in frame.state.items() if own(b)}
   leaves, treedef = jax.tree.flatten((params, state, frame.rng, args, kwargs))
-  positions = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
+  positions = [i for i, leaf in enumerate(leaves) if _is_array_like(leaf)]
 
   def body(*dynamic):
     full = list(leaves)

@@ -56,7 +56,7 @@ def evaluate(
     Per output, its value if wanted, else None. Only the equations the
     wanted outputs need are run.
   """
-  return _evaluate(closed.jaxpr, closed.consts, list(args), list(wanted))
+  return _evaluate_needed(closed.jaxpr, closed.consts, list(args), list(wanted))
 
 
 def _is_in(v, flagged: set) -> bool:
@@ -88,7 +88,7 @@ def _varying_vars(jaxpr: jex_core.Jaxpr, varying_in: Sequence[bool]) -> set:
   return flagged
 
 
-def _evaluate(jaxpr, consts, args: list, wanted: list) -> list:
+def _evaluate_needed(jaxpr, consts, args: list, wanted: list) -> list:
   flagged = _varying_vars(jaxpr, [a is None for a in args])
   # Backwards: the equations the wanted outputs need, and which of each
   # equation's outputs are needed.
@@ -119,7 +119,7 @@ def _evaluate(jaxpr, consts, args: list, wanted: list) -> list:
     ins = [read(v) for v in eqn.invars]
     inner = _inner(eqn)
     if inner is not None:
-      values = _evaluate(inner.jaxpr, inner.consts, ins, outs)
+      values = _evaluate_needed(inner.jaxpr, inner.consts, ins, outs)
     else:
       values = _bind(eqn, ins)
     env.update((v, x) for v, x in zip(eqn.outvars, values) if x is not None)

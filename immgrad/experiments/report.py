@@ -436,7 +436,7 @@ def _value(row: dict) -> str:
   return cell
 
 
-def _difference(row: dict) -> str:
+def _difference_cell(row: dict) -> str:
   if row.get("baseline_diverged"):
     return "a=0 diverged, this did not: **beats**"
   if "paired_difference" not in row:
@@ -471,9 +471,9 @@ def mode_table(per_method: dict, unit: str, title: str) -> tuple[str, dict]:
   for method in per_method:
     rows.append(
       f"| {method} | {_value(train_c[method])} | "
-      f"{_difference(train_c[method])} | "
+      f"{_difference_cell(train_c[method])} | "
       f"{_value(held_c[method])} | "
-      f"{_difference(held_c[method])} |"
+      f"{_difference_cell(held_c[method])} |"
     )
   rows += [
     "",
