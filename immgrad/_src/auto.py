@@ -33,9 +33,10 @@ import collections
 import dataclasses
 import functools
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, MutableMapping, Optional
 
 import jax
+import jax.core
 from jax.extend import core as jex_core
 from jax.extend import source_info_util
 import jax.numpy as jnp
@@ -321,7 +322,7 @@ def _plan(program: _Program, params: dict, paths: list) -> _Plan:
 
 def _follow(program: _Program, params: dict, paths: list) -> _Uses:
   """Taints every value with the leaves it derives from; finds the layers."""
-  taint = {n: frozenset() for n in program.consts}
+  taint: dict = {n: frozenset() for n in program.consts}
   for n in program.inputs:
     if n is not None:
       taint[n] = _ACT
@@ -333,7 +334,7 @@ def _follow(program: _Program, params: dict, paths: list) -> _Uses:
   sinks = {leaf: [] for leaf in params.values()}
   layers, scans, stacked = [], {}, {}
   for node in _in_order(program):
-    ins = [
+    ins: list = [
       frozenset() if isinstance(v, jex_core.Literal) else taint.get(v, _ACT)
       for v in node.ins
     ]
@@ -438,7 +439,7 @@ def _decide(program, params: dict, paths: list, uses: _Uses, folds: dict):
           f"({node.where}) also reads {paths[shared[0]]}, "
           f"which is ordinary",
         )
-      else:
+      elif outside:
         ordinary[leaf] = Reason(
           "computed",
           f"its layer `{node.eqn.primitive.name}` ({node.where}) is inside "
@@ -830,12 +831,12 @@ def _run(program: _Program, plan: _Plan, values: list) -> list:
   return [_read(env, v) for v in program.outs]
 
 
-def _read(env: dict, v):
+def _read(env: Mapping, v):
   return v.val if isinstance(v, jex_core.Literal) else env[v]
 
 
 def _eval(
-  program, plan, env: dict, start: int, end: int, region, pending=None
+  program, plan, env: MutableMapping, start: int, end: int, region, pending=None
 ) -> None:
   """Evaluates ``program.nodes[start:end]``, all inside ``region``, in env.
 
@@ -867,7 +868,7 @@ def _eval(
       )
 
 
-def _catch_up(program, plan, env: dict, pending: list) -> None:
+def _catch_up(program, plan, env: MutableMapping, pending: list) -> None:
   """Evaluates the waiting equations whose inputs have come."""
   ran = True
   while ran:
@@ -878,11 +879,11 @@ def _catch_up(program, plan, env: dict, pending: list) -> None:
         ran = True
 
 
-def _ready(env: dict, values: list) -> bool:
+def _ready(env: Mapping, values: list) -> bool:
   return all(isinstance(v, jex_core.Literal) or v in env for v in values)
 
 
-def _evaluate(program, plan, env: dict, item, pending: list) -> bool:
+def _evaluate(program, plan, env: MutableMapping, item, pending: list) -> bool:
   """Evaluates a node or a region inside; False if an input is not there."""
   if isinstance(item, _Region):
     return _checkpointed(program, plan, env, item, pending)
@@ -907,7 +908,9 @@ def _evaluate(program, plan, env: dict, item, pending: list) -> bool:
   return True
 
 
-def _checkpointed(program, plan, env: dict, region: _Region, pending) -> bool:
+def _checkpointed(
+  program, plan, env: MutableMapping, region: _Region, pending
+) -> bool:
   """Evaluates a region: as traced, or by immgrad.checkpoint, or inlined.
 
   A ``jit`` call that holds no layer and reads no parameter is bound as
@@ -963,7 +966,7 @@ def _checkpointed(program, plan, env: dict, region: _Region, pending) -> bool:
   return True
 
 
-def _scanned(node: _Node, plan: _Plan, env: dict) -> list:
+def _scanned(node: _Node, plan: _Plan, env: MutableMapping) -> list:
   """A ``scan`` over stacked parameters, by immgrad.scan and the body's plan."""
   body, inner = plan.scans[id(node)]
   params = node.eqn.params
@@ -989,7 +992,7 @@ def _scanned(node: _Node, plan: _Plan, env: dict) -> list:
   return list(carry) + list(ys)
 
 
-def _layer(node: _Node, plan: _Plan, env: dict) -> list:
+def _layer(node: _Node, plan: _Plan, env: MutableMapping) -> list:
   """``node`` as an immediate layer of its parameters' raw leaves.
 
   A folded layer also returns its terms (see :func:`_plan`): their
@@ -1135,16 +1138,19 @@ def immediate(
   @functools.wraps(fun)
   def wrapped(*args, **kwargs):
     step = context.current()
-    if step is None and surveying() is None:
-      return fun(*args, **kwargs)
-    program, plan, leaves, paths = _analyse(fun, argnums, args, kwargs)
-    if step is None:  # immgrad.layers is asking: report; run as traced.
-      surveying().record(plan, leaves, paths)
+    if step is None:
+      survey = surveying()
+      if survey is None:
+        return fun(*args, **kwargs)
+      # immgrad.layers is asking: report; run as traced.
+      program, plan, leaves, paths = _analyse(fun, argnums, args, kwargs)
+      survey.record(plan, leaves, paths)
       values = [
         leaves[i] for i, n in enumerate(program.inputs) if n is not None
       ]
       outs = _run(program, dataclasses.replace(plan, immediate={}), values)
       return jax.tree.unflatten(program.out_tree, outs)
+    program, plan, leaves, paths = _analyse(fun, argnums, args, kwargs)
     for i in plan.params.values():
       if step.find(leaves[i], "immgrad.immediate") is None:
         raise ValueError(
@@ -1163,7 +1169,8 @@ def immediate(
     outs = _run(program, plan, values)
     return jax.tree.unflatten(program.out_tree, outs)
 
-  wrapped.immediate_fun = (fun, argnums)
+  # Read back by immgrad.layers; pyright does not model function attributes.
+  wrapped.immediate_fun = (fun, argnums)  # pyright: ignore[reportAttributeAccessIssue]
   return wrapped
 
 

@@ -70,7 +70,8 @@ class ImmediateGrad:
 
   @classmethod
   def tree_unflatten(cls, layer_axes, children):
-    return cls(*children, layer_axes)
+    grad, nonfinite = children
+    return cls(grad, nonfinite, layer_axes)
 
   def __repr__(self):
     return (

@@ -42,7 +42,8 @@ def to_varying(x: jax.Array, axis_names: tuple) -> jax.Array:
   """
   if JAX_VERSION >= (0, 8, 2):
     return lax.pcast(x, axis_names, to="varying")
-  return lax.pvary(x, axis_names)
+  # Removed in jax 0.10.0, so the installed jax's stubs may lack it.
+  return lax.pvary(x, axis_names)  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def checkpoint_options(static_argnames) -> dict:

@@ -24,6 +24,7 @@ import threading
 from typing import Any, Callable, Optional
 
 import jax
+import jax.core
 import jax.numpy as jnp
 
 from immgrad._src import callsite
@@ -111,7 +112,8 @@ class Slot:
   """One parameter leaf of one step, and what happened to it."""
 
   path: str
-  view: jax.Array  # What the loss sees; kept alive so its id stays unique.
+  # What the loss sees (set by ``watch``); kept alive so its id stays unique.
+  view: jax.Array | None
   weight: jax.Array  # The channel whose cotangent carries the gradient.
   state: Any  # The optimizer state leaves its program reads.
   # The leaf's step (``plan.LeafProgram``), its position in the params, and
@@ -198,7 +200,7 @@ class Step:
     self.parent = parent  # The step of the enclosing trace, if nested.
     self.slots: list[Slot] = []
     self._by_id: dict[int, Slot] = {}
-    self._trace = None  # Set by `opened`, in the trace of the loss.
+    self._trace: Any = None  # Set by `opened`, in the trace of the loss.
 
   @property
   def steps_in_backward(self) -> bool:
@@ -300,7 +302,9 @@ def watched(leaf: jax.Array, on_use: Callable[[], None]) -> jax.Array:
 
   def bwd(_, ct):
     if isinstance(ct, jax.custom_derivatives.SymbolicZero):
-      return (jnp.zeros(ct.shape, ct.dtype),)
+      # SymbolicZero forwards .dtype to its aval by __getattr__, which
+      # JAX's annotations type as the aval's attribute or a method.
+      return (jnp.zeros(ct.shape, ct.dtype),)  # pyright: ignore[reportArgumentType]
     on_use()
     return (ct,)
 

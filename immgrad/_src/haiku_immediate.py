@@ -49,6 +49,7 @@ from typing import Any, Callable, Sequence
 import haiku as hk
 from haiku._src import stateful as hk_stateful
 import jax
+import jax.core
 from jax.extend import core as jex_core
 import jax.numpy as jnp
 

@@ -12,7 +12,7 @@ needs, and the backward rule, where the update happens, runs once per step.
 """
 
 import functools
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 
@@ -54,7 +54,9 @@ def checkpoint(
     >>> isinstance(grads["block"]["w"], immgrad.ImmediateGrad)
     True
   """
-  options = dict(prevent_cse=prevent_cse, policy=policy, **kwargs)
+  options: dict[str, Any] = dict(
+    prevent_cse=prevent_cse, policy=policy, **kwargs
+  )
   names = compat.checkpoint_options(static_argnames)
   if isinstance(static_argnums, int):
     static_argnums = (static_argnums,)

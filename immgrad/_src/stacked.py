@@ -20,7 +20,7 @@ layer) and the shim (which commits each layer's slice).
 """
 
 import functools
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 from jax.extend import core as jax_core
@@ -68,7 +68,7 @@ _RANDOM = (
 def state_axes(
   whole: plan_lib.LeafProgram,
   layer: plan_lib.LeafProgram,
-  parts: Sequence[jax.Array],
+  parts: Sequence[jax.Array | jax.ShapeDtypeStruct],
   shared: Sequence[int],
   path: str,
 ) -> list[int | None]:
@@ -77,7 +77,7 @@ def state_axes(
   Args:
     whole: the program of the stacked parameter as one tensor.
     layer: the program of one layer of it (``plan.sliced``).
-    parts: the state leaves ``whole`` reads (the stack's).
+    parts: the state leaves ``whole`` reads (the stack's), or their shapes.
     shared: the positions of the state that belongs to no parameter.
     path: the parameter, for errors.
 
@@ -208,7 +208,7 @@ def _compare(pair: _Pair) -> float:
   # constants. Each operation rounded to its dtype, as its HLO says: XLA
   # would otherwise keep bfloat16 intermediates in float32 where it fuses,
   # and fuse the two programs differently.
-  exact = {"xla_allow_excess_precision": False}
+  exact: dict[str, Any] = {"xla_allow_excess_precision": False}
   zero = np.zeros((), np.float32)
   with jax.default_device(_check_device()):
     lowered = jax.jit(worst_difference).lower(zero)

@@ -602,7 +602,7 @@ def _report(args, run, info, out):
   if settings["measure_dx"]:
     dx_rows = _dx_rows(summaries, methods)
     text += ["", report.dx_table(dx_rows)]
-  text += ["", report.__doc__.split("\n\n", 1)[1].strip()]
+  text += ["", report.DEFINITIONS.strip()]
   if settings.get("command"):
     text += ["", f"Repeat this run with: {settings['command']}"]
   print("\n".join(text))
@@ -721,7 +721,7 @@ def _sweep(aggregates, methods):
       elif agg["final_smoothed_train_loss"] is not None:
         finals[lr_value] = agg["final_smoothed_train_loss"]["mean"]
     out[method] = {
-      "best_lr": min(finals, key=finals.get) if finals else None,
+      "best_lr": min(finals, key=finals.__getitem__) if finals else None,
       "best_final_smoothed_train_loss": min(finals.values())
       if finals
       else None,

@@ -100,7 +100,8 @@ def _deep_mlp(images):
 def _digits_data():
   from sklearn import datasets
 
-  data = datasets.load_digits()
+  # sklearn's annotations allow the (X, y) pair of return_X_y=True.
+  data: Any = datasets.load_digits()
   images = (data.images / 16.0).astype(np.float32)
   labels = data.target.astype(np.int32)
   order = np.random.default_rng(0).permutation(len(labels))
@@ -306,7 +307,7 @@ def read_corpus(folder: str) -> Corpus:
   """
   train, train_path = _read_split(folder, "train")
   heldout, heldout_path = _read_split(folder, "heldout")
-  info = dict(path=folder, sources=None)
+  info: dict[str, Any] = dict(path=folder, sources=None)
   for name, data, path in (
     ("train", train, train_path),
     ("heldout", heldout, heldout_path),
@@ -375,7 +376,7 @@ def _text_task(
     train = np.frombuffer(corpus.train, np.uint8)
     heldout = np.frombuffer(corpus.heldout, np.uint8)
     source = f"the corpus {data}"
-    info = dict(corpus.info, disjoint_windows=True)
+    info: dict[str, Any] = dict(corpus.info, disjoint_windows=True)
   else:
     if text is None:
       raw, source = _stdlib_text(limit)
@@ -387,9 +388,11 @@ def _text_task(
     train, heldout = tokens[:split], tokens[split:]
     info = dict(
       path=text or source,
-      train=dict(bytes=len(train), sha256=hashlib.sha256(train).hexdigest()),
+      train=dict(
+        bytes=len(train), sha256=hashlib.sha256(train.tobytes()).hexdigest()
+      ),
       heldout=dict(
-        bytes=len(heldout), sha256=hashlib.sha256(heldout).hexdigest()
+        bytes=len(heldout), sha256=hashlib.sha256(heldout.tobytes()).hexdigest()
       ),
       disjoint_windows=False,
     )

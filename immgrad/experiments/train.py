@@ -52,7 +52,7 @@ def methods_of(modes=None) -> dict:
   """
   if modes is None:
     return {"plain": None, "current": "current", "updated": "updated"}
-  out = {"plain": None}
+  out: dict[str, str | float | None] = {"plain": None}
   for a in modes:
     name = mode_name(a)
     if name in out:
@@ -162,7 +162,7 @@ def _step_fn(method, mode, task, opt, mesh, measure_dx=False):
   if mode is None:
     tx = opt
 
-    def step(params, opt_state, inputs, targets):
+    def plain_step(params, opt_state, inputs, targets):
       loss, grads = jax.value_and_grad(task.loss_fn)(params, inputs, targets)
       grads = jax.lax.pmean(grads, AXIS)
       updates, opt_state = tx.update(grads, opt_state, params)
@@ -171,6 +171,8 @@ def _step_fn(method, mode, task, opt, mesh, measure_dx=False):
         opt_state,
         jax.lax.pmean(loss, AXIS),
       )
+
+    step = plain_step
   else:
     tx = immgrad.shim(opt, atomic=False)
     grad_fn = immgrad.value_and_grad(
