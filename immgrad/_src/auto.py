@@ -1,32 +1,9 @@
 """``immediate`` and ``layers``: immediate layers found in the traced program.
 
-``immediate(fun)`` needs no adapter and no decorated layer. Inside
-``immgrad.value_and_grad`` it traces ``fun`` to a jaxpr (nested ``jit``
-calls that hold layers inlined, the others kept whole; a ``jax.checkpoint`` holding layers runs as
-``immgrad.checkpoint``, a ``lax.scan`` over stacked layers as
-``immgrad.scan``) and follows, equation by equation, which values
-derive from the parameters alone (a cast, a transpose, a broadcast, ``A @ B``, weight
-standardisation: *preprocessing*) and which from the other arguments
-(*activations*). An equation that combines the two (``dot_general``,
-``conv_general_dilated``, the ``mul`` of a norm's scale, the ``gather`` of
-an embedding, a ``custom_jvp``/``custom_vjp`` call) is a *layer*. A layer
-is immediate when every parameter leaf it reads reaches nothing but it:
-then it runs as ``immediate_layer(lambda x, raw: prim(x, preprocess(raw)))``
-on the very leaves the step handed in, so ``mode="updated"`` takes dX at the
-processed new weights. Every other equation runs as traced.
-
-A parameter-only term combined with the loss (an L2 penalty) is folded
-into the layers whose leaves it reads: each returns its own part of it
-(see ``_plan``). A leaf that reaches two layers (tied embeddings), a loop
-that reuses it every iteration (a ``lax.scan`` closing over it), the
-function's output or a term that cannot be folded keeps an ordinary
-gradient, as does every leaf its layer reads with it, and a layer inside
-a ``jax.checkpoint`` that is handed weights computed outside it.
-:func:`layers` reports each leaf's fate;
-``immediate`` warns of each such leaf (``ordinary.py``).
-Parameters combined with activations inside ``cond``, ``switch`` or
-``while_loop`` are refused; in a ``scan``'s carry or inside other
-transformations that keep an inner program, not supported yet.
+``immediate(fun)`` needs no adapter and no decorated layer: it traces
+``fun`` to a jaxpr and runs each equation that combines parameter-only
+values with activations as an ``immediate_layer``, where its parameter
+leaves reach nothing else (``docs/auto.md``).
 """
 
 import collections
@@ -321,7 +298,15 @@ def _plan(program: _Program, params: dict, paths: list) -> _Plan:
 
 
 def _follow(program: _Program, params: dict, paths: list) -> _Uses:
-  """Taints every value with the leaves it derives from; finds the layers."""
+  """Taints every value with the leaves it derives from; finds the layers.
+
+  Values that derive from the parameters alone (a cast, a transpose, a
+  broadcast, ``A @ B``, weight standardisation) are *preprocessing*; those
+  from the other arguments are *activations*. An equation that combines the
+  two (``dot_general``, ``conv_general_dilated``, the ``mul`` of a norm's
+  scale, the ``gather`` of an embedding, a ``custom_jvp``/``custom_vjp`` call)
+  is a *layer*.
+  """
   taint: dict = {n: frozenset() for n in program.consts}
   for n in program.inputs:
     if n is not None:
@@ -407,7 +392,15 @@ def _reads(node: _Node, uses: _Uses) -> frozenset:
 
 
 def _decide(program, params: dict, paths: list, uses: _Uses, folds: dict):
-  """The plan ``uses`` gives; and the folds that fail, with why."""
+  """The plan ``uses`` gives; and the folds that fail, with why.
+
+  A layer is immediate when every parameter leaf it reads reaches nothing but
+  it. A leaf that reaches two layers (tied embeddings), a loop that reuses it
+  every iteration (a ``lax.scan`` closing over it), the function's output or a
+  term that cannot be folded keeps an ordinary gradient, as does every leaf
+  its layer reads with it, and a layer inside a ``jax.checkpoint`` that is
+  handed weights computed outside it.
+  """
   taint, sinks = uses.taint, uses.sinks
   immediate, ordinary, preprocess, terms = {}, {}, {}, {}
   producer = {n: node for node in program.nodes for n in node.outs}
@@ -998,6 +991,10 @@ def _layer(node: _Node, plan: _Plan, env: MutableMapping) -> list:
   A folded layer also returns its terms (see :func:`_plan`): their
   cotangents join ``dy`` in its backward rule, so ``dW`` has their
   gradient, at the old weights.
+
+  It runs as ``immediate_layer(lambda x, raw: prim(x, preprocess(raw)))`` on
+  the very leaves the step handed in, so that ``mode="updated"`` takes dX at
+  the processed new weights.
   """
   acts = [
     i

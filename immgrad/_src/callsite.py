@@ -1,13 +1,7 @@
 """The user's line: outside JAX, the model libraries and immgrad.
 
-For messages only. :func:`user_line` names where an equation was traced
-from, :func:`user_stacklevel` where a warning points. A refusal names the
-one transformation it found (:func:`enclosing_transformation`) and the
-user's line that called it, rather than listing every candidate: it reads
-the Python call stack, innermost frame first, for the public
-transformations' own functions in ``jax/_src``. If a JAX release renames
-them, the messages fall back to a generic wording; nothing else depends on
-this.
+For messages only: where an equation was traced from, where a warning
+points, and which transformation a refusal names.
 """
 
 import functools
@@ -101,6 +95,11 @@ def enclosing_transformation() -> tuple[str | None, str | None]:
   ``name`` is e.g. ``"lax.scan"``; the location is the user's line that
   called it (the innermost frame outside JAX and the model libraries).
   ``(None, None)`` if none is recognised.
+
+  It reads the Python call stack, innermost frame first, for the public
+  transformations' own functions in ``jax/_src``. If a JAX release renames
+  them, the messages fall back to a generic wording; nothing else depends on
+  this.
   """
   frames = traceback.extract_stack()[::-1]  # Innermost first.
   lifted = 0  # vmaps that a layer's batching rule lifted us out of.

@@ -1,12 +1,7 @@
 """What differs between the JAX releases immgrad supports (jax >= 0.7.0).
 
 Each difference is here, once, with the release that changed it; no other
-module looks at JAX's version. Versions are compared as tuples of ints.
-
-Example:
-  >>> from immgrad._src import compat
-  >>> compat.JAX_VERSION >= (0, 7, 0)
-  True
+module looks at JAX's version.
 """
 
 from typing import Any

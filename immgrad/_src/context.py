@@ -1,22 +1,9 @@
 """How an immediate layer finds its parameter's optimizer state.
 
-``immgrad.value_and_grad`` hands the loss the parameters as usual, but each
-leaf is a fresh value (the output of a *sentinel*, see ``grad.py``) that it
-records in a :class:`Step`, together with the leaf's hidden weight channel
-(what the layer differentiates, so that its gradient never mixes with an
-ordinary use of the leaf) and its optimizer state. A decorated layer looks
-its weights up here by object identity and routes the weight channel and
-the state, not the values the loss saw, through its ``custom_vjp``.
-
-Identity is only meaningful in the trace that created the values. Inside
-``lax.scan``, ``lax.cond``, ``jax.checkpoint`` or an inner ``jit`` a
-layer either sees fresh tracers (not found here) or closed-over ones whose
-backward rule JAX may run zero or many times per step (a scan body runs it
-once per iteration, and each would step the weights). Both raise a clear
-error instead: a :class:`Step` answers only in the trace it was opened in.
-(``jax.vmap`` is the exception: ``layer.py`` lifts a vmapped layer back to
-the step's trace, one layer on the whole batch.)
-See ``docs/design.md`` for the reasoning and what stacked layers need.
+``value_and_grad`` records each parameter leaf the loss sees in a
+:class:`Step`, with its hidden weight channel and optimizer state; a layer
+looks its weights up there by object identity, only in the trace the step
+was opened in (``docs/design.md``, "How a layer finds its state").
 """
 
 import dataclasses
@@ -175,7 +162,15 @@ class Slot:
 
 
 class Step:
-  """The parameters of one ``value_and_grad`` step, by object identity."""
+  """The parameters of one ``value_and_grad`` step, by object identity.
+
+  Identity is only meaningful in the trace that created the values. Inside
+  ``lax.scan``, ``lax.cond``, ``jax.checkpoint`` or an inner ``jit`` a layer
+  either sees fresh tracers (not found here) or closed-over ones whose
+  backward rule JAX may run zero or many times per step; both raise a clear
+  error (``find``). ``jax.vmap`` is the exception: ``layer.py`` lifts a
+  vmapped layer back to the step's trace.
+  """
 
   def __init__(
     self,

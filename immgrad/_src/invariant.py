@@ -1,20 +1,9 @@
 """Values a loop body makes that are the same in every iteration.
 
-``immgrad.scan``'s forward loop stacks, per iteration, the residuals its
-backward loop needs. A residual that depends only on values fixed for the
-whole loop (what the body closes over, and constants) is the same in every
-iteration: an attention mask broadcast to the batch and heads, a layer
-norm's ``n - ddof``. Stacked, it would be written once per layer and read
-back once per layer (the mask of a 12-block GPT-small: 12 x 50 MB each
-way). JAX's own differentiation of ``lax.scan`` hoists such residuals out
-of its loop; :func:`varying` finds them in the body's program and
+``immgrad.scan``'s forward loop would stack such a residual once per layer
+(an attention mask broadcast to the batch and heads); as JAX's own
+``lax.scan`` differentiation does, :func:`varying` finds them and
 :func:`evaluate` computes them once, outside the loop.
-
-Calls (``jax.jit`` inside the body, as in ``jnp.where`` and ``jnp.var``)
-are looked into, since one call often returns both kinds. Any other
-equation is fixed only if all its inputs are, and one with effects (a
-callback, a print) never is, so that nothing the body does is repeated
-outside the loop.
 """
 
 from typing import Sequence
@@ -29,6 +18,11 @@ _CALLS = frozenset({"jit", "pjit", "closed_call", "core_call"})
 
 def varying(jaxpr: jex_core.Jaxpr, varying_in: Sequence[bool]) -> list[bool]:
   """Per output of ``jaxpr``: whether it may change with the inputs flagged.
+
+  Calls (``jax.jit`` inside the body, as in ``jnp.where`` and ``jnp.var``) are
+  looked into, since one call often returns both kinds. Any other equation is
+  fixed only if all its inputs are, and one with effects (a callback, a print)
+  never is, so that nothing the body does is repeated outside the loop.
 
   Example:
     >>> import jax, jax.numpy as jnp

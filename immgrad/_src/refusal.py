@@ -1,10 +1,8 @@
 """The per-parameter cut of ``tx``, or an error naming the part that mixes.
 
-:func:`cut` is ``plan.make`` with the refusal worded for the user: when
-``tx`` has no per-parameter cut, it searches ``tx``'s parts (``chain``'s
-members, a wrapper's inner transformation, as far as their closures show)
-for the innermost one that has none, and names it with the optax factory
-that made it.
+:func:`cut` is ``plan.make`` with the refusal worded for the user: it names
+the innermost part of ``tx`` that has no cut, by the optax factory that
+made it.
 """
 
 from typing import Any
@@ -158,7 +156,12 @@ def _check_separable(tx: optax.GradientTransformation, params: Any) -> None:
 
 
 def cut(tx: optax.GradientTransformation, params: Any) -> plan_lib.Plan:
-  """``tx``'s per-parameter programs for ``params``, or an error naming it."""
+  """``tx``'s per-parameter programs for ``params``, or an error naming it.
+
+  It searches ``tx``'s parts (``chain``'s members, a wrapper's inner
+  transformation, as far as their closures show) for the innermost one that
+  has no cut.
+  """
   try:
     return plan_lib.make(tx, params)
   except plan_lib.NotSeparable:

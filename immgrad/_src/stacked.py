@@ -1,22 +1,8 @@
 """Optimizer state of a stacked parameter, split per layer.
 
-``immgrad.scan`` hands each iteration one layer's slice of a stacked
-parameter (leading axis: the layer), and the layer steps that slice with
-that layer's slice of the optimizer state: the program ``plan.py`` cuts
-for one layer, as if the layers were unrolled. Plain training steps the
-stack as one tensor, so that program must be the stack's step on each
-layer; a rule that steps the stack otherwise (a statistic of the whole
-tensor, a mask chosen by its ``ndim``) is refused. The state ``tx.init`` made
-for the whole stack splits per layer when each leaf the layer reads either
-has the layer axis in front of what the layer's program expects (adam's
-moments: sliced) or belongs to no parameter (optax's step ``count``, an
-injected hyperparameter: *shared*, read whole by every layer). Anything
-else (Adafactor factoring the stack over its layer axis, a per-tensor
-statistic that each layer would make anew, a PRNG key every layer would
-draw the same noise from) has no per-layer split and is refused.
-
-The same split serves the backward loop (which slices the state for each
-layer) and the shim (which commits each layer's slice).
+``immgrad.scan`` steps each layer's slice of a stacked parameter with that
+layer's slice of the optimizer state, as if the layers were unrolled; the
+backward loop and the shim split the state the same way (:func:`state_axes`).
 """
 
 import functools
@@ -73,6 +59,16 @@ def state_axes(
   path: str,
 ) -> list[int | None]:
   """How the state parts ``whole`` reads split into ``layer``'s, per layer.
+
+  The layer's program (cut by ``plan.py`` for one layer) must be the stack's
+  step on each layer; a rule that steps the stack otherwise (a statistic of
+  the whole tensor, a mask chosen by its ``ndim``) is refused. A state leaf
+  splits when it has the layer axis in front of what the layer's program
+  expects (adam's moments: sliced) or belongs to no parameter (optax's step
+  ``count``, an injected hyperparameter: shared, read whole by every layer).
+  Anything else (Adafactor factoring the stack over its layer axis, a
+  per-tensor statistic, a PRNG key every layer would draw the same noise from)
+  has no per-layer split and is refused.
 
   Args:
     whole: the program of the stacked parameter as one tensor.

@@ -1,18 +1,9 @@
 """``python -m immgrad.experiments``: does updated backprop train faster?
 
-Trains one task three ways (plain, immgrad ``current``, immgrad
-``updated``) from the same initialisation and data order, data parallel
-over the default backend's local devices (4 simulated ones on the CPU),
-then prints a results table and writes ``results.json`` and
-``loss_curves.png`` to ``--out``. With
-``--mode-sweep`` the immgrad methods are one per fraction ``a`` of the
-update that dX sees (``mode=a``), compared with ``a=0``; with
-``--measure-dx`` each immgrad layer's dX change is recorded per step and
-plotted (``dx_change.png``). A study too long for one process splits into
-runs by ``--lr``, ``--seeds`` and ``--methods``, each with its own
-``results.json``; ``--merge`` reports them as one run (docs/results/lm.md).
-See ``python -m immgrad.experiments --help`` and the documentation's
-pages docs/faster.md ("Does it train faster?") and docs/between-modes.md.
+Trains one task plain, ``current`` and ``updated`` (or a sweep of
+``mode=a``) from the same initialisation and data order, data parallel, and
+writes a results table, ``results.json`` and plots to ``--out``
+(``--help``; docs/faster.md, docs/between-modes.md).
 """
 
 import argparse

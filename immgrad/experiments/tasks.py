@@ -1,26 +1,9 @@
 """The built-in tasks: real data that is on every machine, no download.
 
-* ``digits``: scikit-learn's 8x8 handwritten digits (1,797 images, shipped
-  with the package), a small Haiku CNN; held-out loss and accuracy.
-* ``chars``: a byte-level Haiku transformer language model on text: the
-  Python standard library's own source files (found with ``sysconfig``), or
-  any file given with ``--text``; losses in bits per byte (per character
-  for ASCII text, as the standard library's source nearly all is).
-* ``deep_mlp``: the digits data, flattened, through a residual MLP of
-  ``DEEP_MLP_BLOCKS`` (16) hidden linear layers plus input and output
-  layers (18 immediate layers in a row, unrolled): where a per-layer
-  second-order effect can compound.
-* ``deep_transformer``: the chars data through a narrow 12-block
-  transformer whose blocks run under ``hk.layer_stack`` (one stacked set of
-  weights, scanned; each block steps its own slice).
-* ``lm``: a GPT-style decoder (pre-LN blocks, causal attention, learned
-  positions) on the same bytes, in three sizes (``LM_SIZES``: ``tiny`` for
-  CPU and CI, ``small`` ~10.9M and ``base`` ~85M parameters), bfloat16
-  compute with float32 weights for ``small`` and ``base`` on accelerators.
-
-Every model is unmodified Haiku wrapped in ``immgrad.haiku.immediate``,
-which leaves them plain Haiku outside ``immgrad.value_and_grad``: the plain
-baseline trains the very same function.
+Digits (scikit-learn's) and bytes of text (the Python standard library's
+source, ``--text`` or a ``--data`` corpus), each model unmodified Haiku in
+``immgrad.haiku.immediate``, so that the plain baseline trains the very
+same function.
 """
 
 import dataclasses
@@ -121,7 +104,11 @@ def digits() -> Task:
 
 
 def deep_mlp() -> Task:
-  """The digits through an 18-layer residual MLP (16 hidden blocks)."""
+  """The digits through an 18-layer residual MLP (16 hidden blocks).
+
+  18 immediate layers in a row, unrolled: where a per-layer second-order
+  effect can compound.
+  """
   return _digits_task(
     "deep_mlp",
     _deep_mlp,
@@ -243,6 +230,9 @@ def chars(
 ) -> Task:
   """A byte-level transformer LM; the last 10% of the text is held out (or
   the corpus folder ``data``'s held-out split).
+
+  Losses are in bits per byte (per character for ASCII text, as the standard
+  library's source nearly all is).
   """
   return _text_task(
     "chars",
