@@ -84,8 +84,8 @@ class ShimTransformation(optax.GradientTransformation):
   """An ``optax.GradientTransformation`` that also knows its inner ``tx``.
 
   Still the ``(init, update)`` pair optax takes it for; ``inner`` and
-  ``atomic`` are set once, by the constructor, and kept by ``copy``,
-  ``pickle`` and JAX's tree functions.
+  ``atomic`` are set once, by the constructor, and kept by ``copy`` and
+  JAX's tree functions.
 
   Attributes:
     inner: the per-parameter rule that immediate layers apply.
