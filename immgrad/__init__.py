@@ -9,14 +9,14 @@ from immgrad._src.base import ImmediateGrad as ImmediateGrad
 from immgrad._src.base import ShimState as ShimState
 from immgrad._src.base import ShimTransformation as ShimTransformation
 from immgrad._src.base import Stepped as Stepped
-from immgrad._src.checkpoint import restore_checkpoint as restore_checkpoint
-from immgrad._src.checkpoint import save_checkpoint as save_checkpoint
 from immgrad._src.clipping import clip_by_layer_norm as clip_by_layer_norm
 from immgrad._src.grad import value_and_grad as value_and_grad
 from immgrad._src.layer import immediate_layer as immediate_layer
 from immgrad._src.ordinary import OrdinaryWarning as OrdinaryWarning
 from immgrad._src.remat import checkpoint as checkpoint
 from immgrad._src.scan import scan as scan
+from immgrad._src.serialization import restore_checkpoint as restore_checkpoint
+from immgrad._src.serialization import save_checkpoint as save_checkpoint
 from immgrad._src.shim import shim as shim
 from immgrad._src.shim import shim_state_from_optax as shim_state_from_optax
 from immgrad._src.shim import shim_state_to_optax as shim_state_to_optax

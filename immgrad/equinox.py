@@ -1,16 +1,7 @@
 """Equinox integration: unmodified Equinox models made immediate.
 
-* ``immediate(fn, modules=None)``: every parameter of an unmodified
-  Equinox model in ``fn`` updates immediately inside
-  ``immgrad.value_and_grad``; ``modules=`` (a tuple of classes) restricts
-  that to those modules'. The params tree stays Equinox's own
-  (``eqx.partition(model, eqx.is_inexact_array)``).
-* ``DEFAULT_MODULES``: Equinox's weight-carrying modules
-  (``eqx.nn.Linear``, ``eqx.nn.Conv*``, ``eqx.nn.LayerNorm``,
-  ``eqx.nn.RMSNorm``, ``eqx.nn.Embedding``): ``modules=DEFAULT_MODULES +
-  (MyModule,)`` is those and yours.
-
-Needs Equinox: ``pip install "immgrad[equinox]"``.
+``DEFAULT_MODULES``: Equinox's weight-carrying modules, to extend in
+``modules=``. Needs Equinox: ``pip install "immgrad[equinox]"``.
 """
 
 try:

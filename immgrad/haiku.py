@@ -1,16 +1,9 @@
-"""Haiku integration: immediate modules, and unmodified models made immediate.
+"""Haiku integration: unmodified Haiku models made immediate.
 
-* ``immediate(fn, modules=None)``: every parameter an unmodified forward
-  function reads updates immediately inside ``immgrad.value_and_grad``;
-  ``modules=`` (a tuple of classes) restricts that to those modules'.
-* ``DEFAULT_MODULES``: Haiku's weight-carrying modules (``hk.Linear``,
-  ``hk.ConvND``, ``hk.LayerNorm``, ``hk.RMSNorm``, ``hk.Embed``):
-  ``modules=DEFAULT_MODULES + (MyModule,)`` is those and yours.
-* ``Linear``, ``Conv1D``, ``Conv2D``, ``Conv3D``, ``ConvND``, ``LayerNorm``,
-  ``RMSNorm``, ``Embed``: Haiku's modules (thin subclasses, with Haiku's
-  constructors, parameter names, shapes, dtypes, initialisers and code)
-  whose calls go through ``immediate``.
-* ``layer_stack``: ``hk.layer_stack`` through ``immediate``.
+``immediate`` and ``layer_stack`` for any Haiku model; ``Linear``,
+``ConvND``, ``LayerNorm``, ...: Haiku's modules (thin subclasses) whose calls
+go through ``immediate``; ``DEFAULT_MODULES``: the weight-carrying modules,
+to extend in ``modules=``.
 """
 
 from immgrad._src.haiku_immediate import DEFAULT_MODULES as DEFAULT_MODULES

@@ -23,7 +23,7 @@ for _FLAG in _FLAGS:
       os.environ.get("XLA_FLAGS", "") + " " + _FLAG
     ).strip()
 
-import jax  # noqa: E402
+import jax
 
 # The tests build their models, optimizers and jitted steps afresh (each
 # oracle loop jits its own closure), so JAX's in-memory caches miss and the

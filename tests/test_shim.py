@@ -1,5 +1,7 @@
 """The shim: per-parameter rules only, exact state, exact landing."""
 
+import copy
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -159,3 +161,21 @@ def test_plain_gradients_train_like_tx():
     ub, sb = opt.update(plain(b, *_data()), sb, b)
     a, b = optax.apply_updates(a, ua), optax.apply_updates(b, ub)
   chex.assert_trees_all_close(a, b, rtol=1e-6, atol=1e-8)
+
+
+def test_shim_keeps_its_inner_tx_through_copies_and_tree_maps():
+  """``inner`` and ``atomic`` are fields: copies and tree maps keep them.
+
+  ``immgrad.value_and_grad`` reads both from the shim it is given, so a
+  shim rebuilt by ``copy`` or ``jax.tree.map`` (as a library holding the
+  optimizer may do) must still carry them.
+  """
+  opt = optax.adam(1e-3)
+  tx = immgrad.shim(opt, atomic=False)
+  assert isinstance(tx, optax.GradientTransformation)
+  init, update = tx
+  assert (init, update) == (tx.init, tx.update)
+  for rebuilt in (copy.copy(tx), copy.deepcopy(tx), jax.tree.map(id, tx)):
+    assert type(rebuilt) is immgrad.ShimTransformation
+    assert rebuilt.inner == opt
+    assert rebuilt.atomic is False

@@ -1,41 +1,19 @@
 """``immediate`` and ``layers``: immediate layers found in the traced program.
 
-``immediate(fun)`` needs no adapter and no decorated layer. Inside
-``immgrad.value_and_grad`` it traces ``fun`` to a jaxpr (nested ``jit``
-calls that hold layers inlined, the others kept whole; a ``jax.checkpoint`` holding layers runs as
-``immgrad.checkpoint``, a ``lax.scan`` over stacked layers as
-``immgrad.scan``) and follows, equation by equation, which values
-derive from the parameters alone (a cast, a transpose, a broadcast, ``A @ B``, weight
-standardisation: *preprocessing*) and which from the other arguments
-(*activations*). An equation that combines the two (``dot_general``,
-``conv_general_dilated``, the ``mul`` of a norm's scale, the ``gather`` of
-an embedding, a ``custom_jvp``/``custom_vjp`` call) is a *layer*. A layer
-is immediate when every parameter leaf it reads reaches nothing but it:
-then it runs as ``immediate_layer(lambda x, raw: prim(x, preprocess(raw)))``
-on the very leaves the step handed in, so ``mode="updated"`` takes dX at the
-processed new weights. Every other equation runs as traced.
-
-A parameter-only term combined with the loss (an L2 penalty) is folded
-into the layers whose leaves it reads: each returns its own part of it
-(see ``_plan``). A leaf that reaches two layers (tied embeddings), a loop
-that reuses it every iteration (a ``lax.scan`` closing over it), the
-function's output or a term that cannot be folded keeps an ordinary
-gradient, as does every leaf its layer reads with it, and a layer inside
-a ``jax.checkpoint`` that is handed weights computed outside it.
-:func:`layers` reports each leaf's fate;
-``immediate`` warns of each such leaf (``ordinary.py``).
-Parameters combined with activations inside ``cond``, ``switch`` or
-``while_loop`` are refused; in a ``scan``'s carry or inside other
-transformations that keep an inner program, not supported yet.
+``immediate(fun)`` needs no adapter and no decorated layer: it traces
+``fun`` to a jaxpr and runs each equation that combines parameter-only
+values with activations as an ``immediate_layer``, where its parameter
+leaves reach nothing else (``docs/auto.md``).
 """
 
 import collections
 import dataclasses
 import functools
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, MutableMapping, Optional
 
 import jax
+import jax.core
 from jax.extend import core as jex_core
 from jax.extend import source_info_util
 import jax.numpy as jnp
@@ -76,7 +54,7 @@ _UNSUPPORTED = (
   "(immgrad.haiku, immgrad.flax, immgrad.equinox)."
 )
 
-_NOT_A_PARAMETER = (
+_ARGUMENT_NOT_A_PARAMETER = (
   "immgrad.immediate: params{path} (argument {argnums}) is not a parameter "
   "leaf given to immgrad.value_and_grad. Pass the params tree the step "
   "hands the loss, unchanged; cast or transform it inside `fun`."
@@ -320,8 +298,16 @@ def _plan(program: _Program, params: dict, paths: list) -> _Plan:
 
 
 def _follow(program: _Program, params: dict, paths: list) -> _Uses:
-  """Taints every value with the leaves it derives from; finds the layers."""
-  taint = {n: frozenset() for n in program.consts}
+  """Taints every value with the leaves it derives from; finds the layers.
+
+  Values that derive from the parameters alone (a cast, a transpose, a
+  broadcast, ``A @ B``, weight standardisation) are *preprocessing*; those
+  from the other arguments are *activations*. An equation that combines the
+  two (``dot_general``, ``conv_general_dilated``, the ``mul`` of a norm's
+  scale, the ``gather`` of an embedding, a ``custom_jvp``/``custom_vjp`` call)
+  is a *layer*.
+  """
+  taint: dict = {n: frozenset() for n in program.consts}
   for n in program.inputs:
     if n is not None:
       taint[n] = _ACT
@@ -333,7 +319,7 @@ def _follow(program: _Program, params: dict, paths: list) -> _Uses:
   sinks = {leaf: [] for leaf in params.values()}
   layers, scans, stacked = [], {}, {}
   for node in _in_order(program):
-    ins = [
+    ins: list = [
       frozenset() if isinstance(v, jex_core.Literal) else taint.get(v, _ACT)
       for v in node.ins
     ]
@@ -406,7 +392,15 @@ def _reads(node: _Node, uses: _Uses) -> frozenset:
 
 
 def _decide(program, params: dict, paths: list, uses: _Uses, folds: dict):
-  """The plan ``uses`` gives; and the folds that fail, with why."""
+  """The plan ``uses`` gives; and the folds that fail, with why.
+
+  A layer is immediate when every parameter leaf it reads reaches nothing but
+  it. A leaf that reaches two layers (tied embeddings), a loop that reuses it
+  every iteration (a ``lax.scan`` closing over it), the function's output or a
+  term that cannot be folded keeps an ordinary gradient, as does every leaf
+  its layer reads with it, and a layer inside a ``jax.checkpoint`` that is
+  handed weights computed outside it.
+  """
   taint, sinks = uses.taint, uses.sinks
   immediate, ordinary, preprocess, terms = {}, {}, {}, {}
   producer = {n: node for node in program.nodes for n in node.outs}
@@ -438,7 +432,7 @@ def _decide(program, params: dict, paths: list, uses: _Uses, folds: dict):
           f"({node.where}) also reads {paths[shared[0]]}, "
           f"which is ordinary",
         )
-      else:
+      elif outside:
         ordinary[leaf] = Reason(
           "computed",
           f"its layer `{node.eqn.primitive.name}` ({node.where}) is inside "
@@ -830,12 +824,12 @@ def _run(program: _Program, plan: _Plan, values: list) -> list:
   return [_read(env, v) for v in program.outs]
 
 
-def _read(env: dict, v):
+def _read(env: Mapping, v):
   return v.val if isinstance(v, jex_core.Literal) else env[v]
 
 
 def _eval(
-  program, plan, env: dict, start: int, end: int, region, pending=None
+  program, plan, env: MutableMapping, start: int, end: int, region, pending=None
 ) -> None:
   """Evaluates ``program.nodes[start:end]``, all inside ``region``, in env.
 
@@ -867,7 +861,7 @@ def _eval(
       )
 
 
-def _catch_up(program, plan, env: dict, pending: list) -> None:
+def _catch_up(program, plan, env: MutableMapping, pending: list) -> None:
   """Evaluates the waiting equations whose inputs have come."""
   ran = True
   while ran:
@@ -878,11 +872,11 @@ def _catch_up(program, plan, env: dict, pending: list) -> None:
         ran = True
 
 
-def _ready(env: dict, values: list) -> bool:
+def _ready(env: Mapping, values: list) -> bool:
   return all(isinstance(v, jex_core.Literal) or v in env for v in values)
 
 
-def _evaluate(program, plan, env: dict, item, pending: list) -> bool:
+def _evaluate(program, plan, env: MutableMapping, item, pending: list) -> bool:
   """Evaluates a node or a region inside; False if an input is not there."""
   if isinstance(item, _Region):
     return _checkpointed(program, plan, env, item, pending)
@@ -907,7 +901,9 @@ def _evaluate(program, plan, env: dict, item, pending: list) -> bool:
   return True
 
 
-def _checkpointed(program, plan, env: dict, region: _Region, pending) -> bool:
+def _checkpointed(
+  program, plan, env: MutableMapping, region: _Region, pending
+) -> bool:
   """Evaluates a region: as traced, or by immgrad.checkpoint, or inlined.
 
   A ``jit`` call that holds no layer and reads no parameter is bound as
@@ -963,7 +959,7 @@ def _checkpointed(program, plan, env: dict, region: _Region, pending) -> bool:
   return True
 
 
-def _scanned(node: _Node, plan: _Plan, env: dict) -> list:
+def _scanned(node: _Node, plan: _Plan, env: MutableMapping) -> list:
   """A ``scan`` over stacked parameters, by immgrad.scan and the body's plan."""
   body, inner = plan.scans[id(node)]
   params = node.eqn.params
@@ -989,12 +985,16 @@ def _scanned(node: _Node, plan: _Plan, env: dict) -> list:
   return list(carry) + list(ys)
 
 
-def _layer(node: _Node, plan: _Plan, env: dict) -> list:
+def _layer(node: _Node, plan: _Plan, env: MutableMapping) -> list:
   """``node`` as an immediate layer of its parameters' raw leaves.
 
   A folded layer also returns its terms (see :func:`_plan`): their
   cotangents join ``dy`` in its backward rule, so ``dW`` has their
   gradient, at the old weights.
+
+  It runs as ``immediate_layer(lambda x, raw: prim(x, preprocess(raw)))`` on
+  the very leaves the step handed in, so that ``mode="updated"`` takes dX at
+  the processed new weights.
   """
   acts = [
     i
@@ -1039,7 +1039,7 @@ def _flatten(args: tuple, kwargs: dict, argnums: int, fun_name: str):
   return leaves, treedef, paths
 
 
-def _name(fun) -> str:
+def _qualname(fun) -> str:
   return getattr(fun, "__qualname__", repr(fun))
 
 
@@ -1050,7 +1050,7 @@ def _analyse(fun, argnums, args, kwargs, only=None):
   like the data, and ``fun`` is traced as outside a step: the immediate
   layers and adapters inside it are plain JAX, which this plan replaces.
   """
-  leaves, treedef, paths = _flatten(args, kwargs, argnums, _name(fun))
+  leaves, treedef, paths = _flatten(args, kwargs, argnums, _qualname(fun))
 
   def call(params, others, kwargs):
     return fun(*others[:argnums], params, *others[argnums:], **kwargs)
@@ -1135,33 +1135,39 @@ def immediate(
   @functools.wraps(fun)
   def wrapped(*args, **kwargs):
     step = context.current()
-    if step is None and surveying() is None:
-      return fun(*args, **kwargs)
-    program, plan, leaves, paths = _analyse(fun, argnums, args, kwargs)
-    if step is None:  # immgrad.layers is asking: report; run as traced.
-      surveying().record(plan, leaves, paths)
+    if step is None:
+      survey = surveying()
+      if survey is None:
+        return fun(*args, **kwargs)
+      # immgrad.layers is asking: report; run as traced.
+      program, plan, leaves, paths = _analyse(fun, argnums, args, kwargs)
+      survey.record(plan, leaves, paths)
       values = [
         leaves[i] for i, n in enumerate(program.inputs) if n is not None
       ]
       outs = _run(program, dataclasses.replace(plan, immediate={}), values)
       return jax.tree.unflatten(program.out_tree, outs)
+    program, plan, leaves, paths = _analyse(fun, argnums, args, kwargs)
     for i in plan.params.values():
       if step.find(leaves[i], "immgrad.immediate") is None:
         raise ValueError(
-          _NOT_A_PARAMETER.format(path=paths[i], argnums=argnums)
+          _ARGUMENT_NOT_A_PARAMETER.format(path=paths[i], argnums=argnums)
         )
     for const in program.consts.values():
       slot = step.find(const, "immgrad.immediate")
       if slot is not None:
         raise ValueError(
-          _CLOSED_OVER.format(fun=_name(fun), path=slot.path, argnums=argnums)
+          _CLOSED_OVER.format(
+            fun=_qualname(fun), path=slot.path, argnums=argnums
+          )
         )
     ordinary_lib.report(plan.ordinary, len(plan.params), paths, strict)
     values = [leaves[i] for i, n in enumerate(program.inputs) if n is not None]
     outs = _run(program, plan, values)
     return jax.tree.unflatten(program.out_tree, outs)
 
-  wrapped.immediate_fun = (fun, argnums)
+  # Read back by immgrad.layers; pyright does not model function attributes.
+  wrapped.immediate_fun = (fun, argnums)  # pyright: ignore[reportAttributeAccessIssue]
   return wrapped
 
 
@@ -1236,7 +1242,7 @@ def layers(fun: Callable[..., Any], params: Any, *args, **kwargs) -> Layers:
   """
   fun, argnums = getattr(fun, "immediate_fun", (fun, 0))
   args = args[:argnums] + (params,) + args[argnums:]
-  leaves, treedef, paths = _flatten(args, kwargs, argnums, _name(fun))
+  leaves, treedef, paths = _flatten(args, kwargs, argnums, _qualname(fun))
   rows = _surveyed(fun, argnums, leaves, treedef, paths)
   if rows is None:  # fun calls no immediate function: it is one.
     _, plan, leaves, paths = _analyse(fun, argnums, args, kwargs)

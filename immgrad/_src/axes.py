@@ -1,16 +1,8 @@
 """Averaging over a data-parallel axis, the same under pmap and shard_map.
 
-Under ``pmap`` and under ``shard_map(check_vma=False)`` a gradient is local
-to its replica and ``lax.pmean`` averages it. Under ``shard_map`` with
-``check_vma=True`` JAX tracks which values vary over a mesh axis, and the
-gradient with respect to an axis-invariant weight comes back *already
-summed* over the axis (the transpose of the implicit ``pvary``). So:
-
-* for a weight inside an immediate layer, :func:`local` casts it to varying
-  before differentiating, which keeps its gradient local, and
-  :func:`mean` then averages it like under ``pmap``;
-* for an ordinary parameter, :func:`mean_of_cotangent` divides an
-  automatically summed gradient by the axis size instead of averaging again.
+Under ``shard_map(check_vma=True)`` the gradient of an axis-invariant weight
+comes back already summed over the axis; these helpers keep an immediate
+layer's gradient local and average every gradient once.
 """
 
 from typing import Any, Hashable, Sequence

@@ -70,7 +70,8 @@ class ImmediateGrad:
 
   @classmethod
   def tree_unflatten(cls, layer_axes, children):
-    return cls(*children, layer_axes)
+    grad, nonfinite = children
+    return cls(grad, nonfinite, layer_axes)
 
   def __repr__(self):
     return (
@@ -80,14 +81,46 @@ class ImmediateGrad:
 
 
 class ShimTransformation(optax.GradientTransformation):
-  """An ``optax.GradientTransformation`` that also knows its inner ``tx``."""
+  """An ``optax.GradientTransformation`` that also knows its inner ``tx``.
 
-  @property
-  def inner(self) -> optax.GradientTransformation:
-    """The per-parameter rule that immediate layers apply."""
-    return self._inner
+  Still the ``(init, update)`` pair optax takes it for; ``inner`` and
+  ``atomic`` are set once, by the constructor, and kept by ``copy`` and
+  JAX's tree functions.
 
-  @property
-  def atomic(self) -> bool:
-    """Whether a step with any non-finite value is rejected whole."""
-    return self._atomic
+  Attributes:
+    inner: the per-parameter rule that immediate layers apply.
+    atomic: whether a step with any non-finite value is rejected whole.
+  """
+
+  inner: optax.GradientTransformation
+  atomic: bool
+
+  def __new__(
+    cls,
+    init: optax.TransformInitFn,
+    update: optax.TransformUpdateFn,
+    *,
+    inner: optax.GradientTransformation,
+    atomic: bool,
+  ):
+    # A NamedTuple's subclass cannot add fields to the tuple (optax's
+    # GradientTransformationExtraArgs adds none); these two live beside it.
+    self = super().__new__(cls, init, update)
+    self.inner = inner
+    self.atomic = atomic
+    return self
+
+  def __getnewargs_ex__(self):
+    return (self.init, self.update), {
+      "inner": self.inner,
+      "atomic": self.atomic,
+    }
+
+
+jax.tree_util.register_pytree_node(
+  ShimTransformation,
+  lambda t: ((t.init, t.update), (t.inner, t.atomic)),
+  lambda fields, fns: ShimTransformation(
+    *fns, inner=fields[0], atomic=fields[1]
+  ),
+)

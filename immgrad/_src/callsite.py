@@ -1,13 +1,7 @@
 """The user's line: outside JAX, the model libraries and immgrad.
 
-For messages only. :func:`user_line` names where an equation was traced
-from, :func:`user_stacklevel` where a warning points. A refusal names the
-one transformation it found (:func:`enclosing_transformation`) and the
-user's line that called it, rather than listing every candidate: it reads
-the Python call stack, innermost frame first, for the public
-transformations' own functions in ``jax/_src``. If a JAX release renames
-them, the messages fall back to a generic wording; nothing else depends on
-this.
+For messages only: where an equation was traced from, where a warning
+points, and which transformation a refusal names.
 """
 
 import functools
@@ -101,23 +95,29 @@ def enclosing_transformation() -> tuple[str | None, str | None]:
   ``name`` is e.g. ``"lax.scan"``; the location is the user's line that
   called it (the innermost frame outside JAX and the model libraries).
   ``(None, None)`` if none is recognised.
+
+  It reads the Python call stack, innermost frame first, for the public
+  transformations' own functions in ``jax/_src``. If a JAX release renames
+  them, the messages fall back to a generic wording; nothing else depends on
+  this.
   """
   frames = traceback.extract_stack()[::-1]  # Innermost first.
   lifted = 0  # vmaps that a layer's batching rule lifted us out of.
   for i, frame in enumerate(frames):
     if frame.name == _LIFTING_RULE and frame.filename.endswith(_LAYER_FILE):
       lifted += 1
-    name = _match(frame)
+    name = _transformation_at(frame)
     if name == "jax.vmap" and lifted:  # Handled: the layer left this vmap.
       lifted -= 1
       continue
     if name is None:
       continue
     if name == "lax.scan":  # fori_loop and map call scan: name the caller.
-      outer = [_match(f) for f in frames[i + 1 : i + 4]]
+      outer = [_transformation_at(f) for f in frames[i + 1 : i + 4]]
       name = next((n for n in outer if n in _BUILT_ON_SCAN), name)
     user = next(
-      (f for f in frames[i + 1 :] if not _in_library(f.filename)), None
+      (f for f in frames[i + 1 :] if not _library_or_generated(f.filename)),
+      None,
     )
     return name, (
       None
@@ -127,11 +127,11 @@ def enclosing_transformation() -> tuple[str | None, str | None]:
   return None, None
 
 
-def _match(frame) -> str | None:
+def _transformation_at(frame) -> str | None:
   if os.sep + "jax" + os.sep + "_src" + os.sep not in frame.filename:
     return None
   return _TRANSFORMATIONS.get((os.path.basename(frame.filename), frame.name))
 
 
-def _in_library(filename: str) -> bool:
+def _library_or_generated(filename: str) -> bool:
   return in_library(filename) or filename.startswith("<")

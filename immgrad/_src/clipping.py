@@ -1,17 +1,8 @@
 """Clipping that needs one parameter at a time, for use inside the shim.
 
-Global-norm clipping (``optax.clip_by_global_norm``) scales every gradient
-by the norm of *all* of them, which does not exist until the backward pass
-is over; by then an immediate layer has long been stepped. ``immgrad.shim``
-refuses it (and anything else that needs the whole tree) with an error.
-The one-pass alternatives clip each parameter tensor by its own size:
-
-* :func:`clip_by_layer_norm` - the gradient of each parameter tensor
-  (a layer's weight, its bias) to an L2 norm of at most ``max_norm``;
-* ``optax.clip_by_block_rms(threshold)`` placed *after* the scaling rule -
-  AdaLomo-style update clipping, ``u / max(1, rms(u) / threshold)`` for each
-  tensor, e.g. ``optax.chain(optax.scale_by_adam(),
-  optax.clip_by_block_rms(1.0), optax.scale_by_learning_rate(1e-3))``.
+``optax.clip_by_global_norm`` needs every gradient before any step, which an
+immediate layer cannot wait for; the shim refuses it, and
+:func:`clip_by_layer_norm` clips each tensor by its own norm instead.
 """
 
 import jax
@@ -28,6 +19,11 @@ def clip_by_layer_norm(max_norm: float) -> optax.GradientTransformation:
   optimizer, as you would the global version. A stacked parameter
   (``immgrad.scan``) is one tensor to it, as to plain optax, whose norm
   no single layer has: there it is refused.
+
+  To clip the update instead (AdaLomo-style), place
+  ``optax.clip_by_block_rms(threshold)`` after the scaling rule:
+  ``optax.chain(optax.scale_by_adam(), optax.clip_by_block_rms(1.0),
+  optax.scale_by_learning_rate(1e-3))``.
 
   Args:
     max_norm: the largest L2 norm a parameter tensor's gradient may have.

@@ -1,26 +1,9 @@
-"""Stepping a parameter, and writing the step in place.
+"""Stepping a parameter, and writing the whole step in place.
 
-An immediate parameter is stepped twice from the same values: in its
-layer's backward rule (for ``dX`` in ``mode="updated"``, and to check the
-step), and by the shim, which commits it once the whole step is known to be
-finite. :func:`step_parameter` is that one computation.
-
-:class:`Step` is the shim's commit of a whole step. Atomic commits write
-nothing until the step's single finiteness flag is known, and then write in
-place, as plain training's update does: on a TPU or GPU by a select, which
-XLA fuses with the step (:func:`by_select`); on the CPU under a
-``lax.cond`` per parameter. There a stacked parameter (``immgrad.scan``) is
-one large leaf, whose update would need a buffer as large as its gradient;
-:func:`commit_layers` instead writes it layer by layer into the gradient's
-own buffer and the state's, in place.
-
-The two computations are the same optax arithmetic, compiled twice: XLA may
-fuse them differently (contract a multiply and an add into one fused
-multiply-add in one of them), and then they differ by that rounding, about
-an ulp of the weight.
-``tests/test_commit.py`` measures them bit for bit equal for the rules and
-models it runs at XLA's default settings (not at XLA CPU's cheapest, the
-suite's: ``tests/xla_flags.py``).
+A parameter is stepped twice from the same values, in its layer's backward
+rule and by the shim once the step is known to be finite:
+:func:`step_parameter` is that one computation, :class:`Step` the shim's
+commit (``docs/design.md``, "Committing a step").
 """
 
 import math

@@ -1,12 +1,7 @@
 """What differs between the JAX releases immgrad supports (jax >= 0.7.0).
 
 Each difference is here, once, with the release that changed it; no other
-module looks at JAX's version. Versions are compared as tuples of ints.
-
-Example:
-  >>> from immgrad._src import compat
-  >>> compat.JAX_VERSION >= (0, 7, 0)
-  True
+module looks at JAX's version.
 """
 
 from typing import Any
@@ -18,7 +13,7 @@ JAX_VERSION = tuple(jax.__version_info__[:3])
 
 # jax 0.10.0 added it to jax.extend.core (and deprecated jax.core's).
 if JAX_VERSION >= (0, 10, 0):
-  from jax.extend.core import get_opaque_trace_state  # noqa: F401
+  from jax.extend.core import get_opaque_trace_state
 else:
   from jax.core import get_opaque_trace_state  # noqa: F401
 
@@ -42,7 +37,8 @@ def to_varying(x: jax.Array, axis_names: tuple) -> jax.Array:
   """
   if JAX_VERSION >= (0, 8, 2):
     return lax.pcast(x, axis_names, to="varying")
-  return lax.pvary(x, axis_names)
+  # Removed in jax 0.10.0, so the installed jax's stubs may lack it.
+  return lax.pvary(x, axis_names)  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def checkpoint_options(static_argnames) -> dict:

@@ -1,22 +1,9 @@
 """How an immediate layer finds its parameter's optimizer state.
 
-``immgrad.value_and_grad`` hands the loss the parameters as usual, but each
-leaf is a fresh value (the output of a *sentinel*, see ``grad.py``) that it
-records in a :class:`Step`, together with the leaf's hidden weight channel
-(what the layer differentiates, so that its gradient never mixes with an
-ordinary use of the leaf) and its optimizer state. A decorated layer looks
-its weights up here by object identity and routes the weight channel and
-the state, not the values the loss saw, through its ``custom_vjp``.
-
-Identity is only meaningful in the trace that created the values. Inside
-``lax.scan``, ``lax.cond``, ``jax.checkpoint`` or an inner ``jit`` a
-layer either sees fresh tracers (not found here) or closed-over ones whose
-backward rule JAX may run zero or many times per step (a scan body runs it
-once per iteration, and each would step the weights). Both raise a clear
-error instead: a :class:`Step` answers only in the trace it was opened in.
-(``jax.vmap`` is the exception: ``layer.py`` lifts a vmapped layer back to
-the step's trace, one layer on the whole batch.)
-See ``docs/design.md`` for the reasoning and what stacked layers need.
+``value_and_grad`` records each parameter leaf the loss sees in a
+:class:`Step`, with its hidden weight channel and optimizer state; a layer
+looks its weights up there by object identity, only in the trace the step
+was opened in (``docs/design.md``, "How a layer finds its state").
 """
 
 import dataclasses
@@ -24,6 +11,7 @@ import threading
 from typing import Any, Callable, Optional
 
 import jax
+import jax.core
 import jax.numpy as jnp
 
 from immgrad._src import callsite
@@ -111,7 +99,8 @@ class Slot:
   """One parameter leaf of one step, and what happened to it."""
 
   path: str
-  view: jax.Array  # What the loss sees; kept alive so its id stays unique.
+  # What the loss sees (set by ``watch``); kept alive so its id stays unique.
+  view: jax.Array | None
   weight: jax.Array  # The channel whose cotangent carries the gradient.
   state: Any  # The optimizer state leaves its program reads.
   # The leaf's step (``plan.LeafProgram``), its position in the params, and
@@ -173,7 +162,15 @@ class Slot:
 
 
 class Step:
-  """The parameters of one ``value_and_grad`` step, by object identity."""
+  """The parameters of one ``value_and_grad`` step, by object identity.
+
+  Identity is only meaningful in the trace that created the values. Inside
+  ``lax.scan``, ``lax.cond``, ``jax.checkpoint`` or an inner ``jit`` a layer
+  either sees fresh tracers (not found here) or closed-over ones whose
+  backward rule JAX may run zero or many times per step; both raise a clear
+  error (``find``). ``jax.vmap`` is the exception: ``layer.py`` lifts a
+  vmapped layer back to the step's trace.
+  """
 
   def __init__(
     self,
@@ -198,7 +195,7 @@ class Step:
     self.parent = parent  # The step of the enclosing trace, if nested.
     self.slots: list[Slot] = []
     self._by_id: dict[int, Slot] = {}
-    self._trace = None  # Set by `opened`, in the trace of the loss.
+    self._trace: Any = None  # Set by `opened`, in the trace of the loss.
 
   @property
   def steps_in_backward(self) -> bool:
@@ -300,7 +297,9 @@ def watched(leaf: jax.Array, on_use: Callable[[], None]) -> jax.Array:
 
   def bwd(_, ct):
     if isinstance(ct, jax.custom_derivatives.SymbolicZero):
-      return (jnp.zeros(ct.shape, ct.dtype),)
+      # SymbolicZero forwards .dtype to its aval by __getattr__, which
+      # JAX's annotations type as the aval's attribute or a method.
+      return (jnp.zeros(ct.shape, ct.dtype),)  # pyright: ignore[reportArgumentType]
     on_use()
     return (ct,)
 
@@ -308,20 +307,20 @@ def watched(leaf: jax.Array, on_use: Callable[[], None]) -> jax.Array:
   return sentinel(leaf)
 
 
-_active = threading.local()
+_steps = threading.local()
 
 
 def current() -> Step | None:
   """The innermost open step, or None outside ``immgrad.value_and_grad``."""
-  stack = getattr(_active, "stack", [])
+  stack = getattr(_steps, "stack", [])
   return stack[-1] if stack else None
 
 
 def analysing() -> Step | None:
   """The step hidden by :class:`hidden` while its loss is traced whole."""
-  stack = getattr(_active, "stack", [])
+  stack = getattr(_steps, "stack", [])
   if stack and stack[-1] is None:
-    return _active.hidden[-1]
+    return _steps.hidden[-1]
   return None
 
 
@@ -336,14 +335,14 @@ class hidden:
     self._step = step
 
   def __enter__(self) -> None:
-    if not hasattr(_active, "stack"):
-      _active.stack, _active.hidden = [], []
-    _active.stack.append(None)
-    _active.hidden = getattr(_active, "hidden", []) + [self._step]
+    if not hasattr(_steps, "stack"):
+      _steps.stack, _steps.hidden = [], []
+    _steps.stack.append(None)
+    _steps.hidden = getattr(_steps, "hidden", []) + [self._step]
 
   def __exit__(self, *exc) -> None:
-    _active.stack.pop()
-    _active.hidden = _active.hidden[:-1]
+    _steps.stack.pop()
+    _steps.hidden = _steps.hidden[:-1]
 
 
 class opened:
@@ -357,11 +356,11 @@ class opened:
     self._step = step
 
   def __enter__(self) -> Step:
-    if not hasattr(_active, "stack"):
-      _active.stack = []
+    if not hasattr(_steps, "stack"):
+      _steps.stack = []
     self._step._trace = get_opaque_trace_state()
-    _active.stack.append(self._step)
+    _steps.stack.append(self._step)
     return self._step
 
   def __exit__(self, *exc) -> None:
-    _active.stack.pop()
+    _steps.stack.pop()

@@ -1,11 +1,8 @@
 """``immgrad.equinox.immediate``: unmodified Equinox models, immediate.
 
 :func:`immgrad.immediate` over the step's parameter leaves among ``fn``'s
-arguments, as the params tree: by default every one ("any model", as
-``immgrad.immediate`` itself; what still trains ordinarily, a tied weight or a
-recurrent cell's, is reported by the core). ``modules=`` restricts that to the
-leaves whose innermost ``eqx.Module`` (found by walking the pytree) is one of
-those classes; every other leaf then goes in as the data does.
+arguments; ``modules=`` keeps those whose innermost ``eqx.Module`` (found by
+walking the pytree) is one of the given classes.
 """
 
 import functools

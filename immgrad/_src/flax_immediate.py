@@ -1,20 +1,9 @@
 """``immgrad.flax.immediate``: unmodified Flax models (NNX and Linen).
 
 :func:`immgrad.immediate` over the step's parameter leaves among ``fn``'s
-arguments, as the params tree: by default every one ("any model", as
-``immgrad.immediate`` itself; what still trains ordinarily, a tied weight or a
-recurrent cell's, is reported by the core). ``modules=`` restricts that to the
-parameters whose innermost Flax module is one of those classes; every other leaf
-then goes in as the data does.
-
-Flax's params tree does not name module classes, so ``modules=`` finds
-each leaf's module by its path in the model's graph: NNX graphs from the
-NNX modules among ``fn``'s arguments and the graphdefs (``nnx.GraphDef``) ``fn``
-closes over (``nnx.merge`` of a placeholder state, ``nnx.iter_graph``);
-Linen modules from an abstract run of ``fn`` (``jax.eval_shape``) under
-``nn.intercept_methods`` (each call's scope path). Public API only; a leaf
-matches the longest module path inside its own path, so casts and
-transformations between the step and the module do not hide it.
+arguments; ``modules=`` keeps those whose innermost Flax module, found by
+path in the model's graph through Flax's public API, is one of the given
+classes.
 """
 
 import functools
@@ -176,6 +165,13 @@ def _owners(fn, tree, keyed: list, treedef, candidates: list) -> dict:
   a Linen call's scope path and parameter name) is the longest run of the
   leaf's own path. Linen's calls are seen in an abstract run of ``fn``,
   made only if a candidate is not found in an NNX graph.
+
+  The NNX graphs are those of the NNX modules among ``fn``'s arguments and of
+  the graphdefs (``nnx.GraphDef``) ``fn`` closes over (``nnx.merge`` of a
+  placeholder state, ``nnx.iter_graph``); Linen's scope paths come from a run
+  under ``nn.intercept_methods``. Public API only; since a leaf matches the
+  longest module path inside its own path, casts and transformations between
+  the step and the module do not hide it.
   """
   table = {}
   for graph in _nnx_graphs(fn, tree):

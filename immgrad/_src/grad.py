@@ -1,25 +1,9 @@
 """``value_and_grad``: one training step's loss and what the shim consumes.
 
-The loss is differentiated with ``jax.vjp`` with respect to two copies of
-the parameter leaves and one scalar:
-
-* the *views* the loss sees, each the output of ``context.watched`` (an
-  identity ``custom_vjp`` with symbolic zeros) so that, at trace time, we
-  learn whether anything other than an immediate layer used the leaf;
-* the hidden *weight* channel an immediate layer differentiates instead of
-  the view; its cotangent is the layer's gradient ``dW``;
-* the step's *flag*, a zero whose cotangent counts the immediate layers
-  whose step was not finite (atomic steps only).
-
-Each leaf's optimizer state (the leaves of optax's state its program reads,
-``plan.py``) is read by its layer, not differentiated.
-
-After the backward pass each leaf is exactly one of: stepped by one
-immediate layer (its gradient, as :class:`ImmediateGrad`, for the shim to
-commit), used only ordinarily (its gradient, averaged over ``axis_name``),
-or not used at all (left as it was, as :class:`Stepped`). A leaf that is
-both immediate and ordinary is an error: its layer would step it from part
-of its gradient.
+The loss is differentiated with respect to the views it sees, a hidden
+weight channel per leaf (whose cotangent is an immediate layer's ``dW``) and
+the step's finiteness flag (``docs/design.md``, "Two channels per
+parameter leaf").
 """
 
 import math

@@ -1,44 +1,9 @@
 """``immgrad.haiku``: unmodified Haiku models, immediate.
 
-``immediate(fn, modules)`` is :func:`immgrad.immediate` (``auto.py``) over
-the transform's params (``hk.get_params``: the very arrays the step handed
-in) that ``fn`` reads, found with a first, abstract run of ``fn``
-(``jax.eval_shape``, trace time only) under an ``hk.custom_getter``, which
-sees the module that reads each parameter (``GetterContext.module``). By
-default every one ("any model", as ``immgrad.immediate`` itself; what still
-trains ordinarily, a tied weight or a recurrent cell's, is reported by the
-core);
-``modules=`` restricts that to the parameters those classes' modules read.
-Every other leaf is an argument like the data: it keeps an ordinary
-gradient, which the shim applies. Haiku's own code runs unchanged.
-
-Two things make a Haiku function a JAX function of its parameters:
-
-* ``fn`` runs in a Haiku frame holding the traced params, state and rng
-  (Haiku's own ``temporary_internal_state``, which ``hk.remat`` and
-  ``hk.vmap`` use), and the state and rng it leaves are written back to
-  the caller's frame, so ``hk.BatchNorm``'s statistics and
-  ``hk.next_rng_key`` work as in plain Haiku.
-* unless dX is taken at the old weights (``mode="current"``, where every
-  primitive is its own layer and the backward pass is plain Haiku's), each
-  call of a chosen module (by default one of ``DEFAULT_MODULES``) is one
-  unit: ``hk.intercept_methods`` traces it
-  to a jaxpr whose inputs are the module's own parameters, state and
-  arguments, bound as one ``custom_vjp`` whose rule is the jaxpr's own
-  ``jax.vjp``. ``immgrad.immediate`` takes such a call for one layer, so a
-  normalisation's statistics are inside it (``mode="updated"`` takes dX of
-  the whole module at its new weights).
-
-Either way a weight a custom getter computes (``hk.custom_getter``,
-``hk.mixed_precision``) is parameter-only preprocessing of its layer.
-
-``compute_dtype`` is a getter that casts the chosen ``hk.Linear``,
-``hk.ConvND`` and ``hk.Embed`` weights, and an interceptor that casts
-their floating inputs, in and out of a step alike.
-
-Haiku's frame (``haiku._src.stateful``: ``internal_state``,
-``temporary_internal_state``, ``update_internal_state``) is private;
-``tests/test_haiku_models.py`` checks they exist and trains through them.
+:func:`immgrad.immediate` over the transform's params that ``fn`` reads, run
+in a Haiku frame holding the traced params, state and rng. That frame
+(``haiku._src.stateful``) is private Haiku API, confined to this module;
+``tests/test_haiku_models.py`` checks it exists and trains through it.
 """
 
 import contextlib
@@ -49,6 +14,7 @@ from typing import Any, Callable, Sequence
 import haiku as hk
 from haiku._src import stateful as hk_stateful
 import jax
+import jax.core
 from jax.extend import core as jex_core
 import jax.numpy as jnp
 
@@ -193,6 +159,15 @@ def _step(
   every parameter ``fn`` reads); ``units``: those whose calls are one
   layer each when dX is taken at other weights than the old ones;
   ``strict``: as :func:`immgrad.immediate`'s.
+
+  ``fn`` runs in a Haiku frame holding the traced params, state and rng
+  (Haiku's own ``temporary_internal_state``, which ``hk.remat`` and
+  ``hk.vmap`` use), and the state and rng it leaves are written back to the
+  caller's frame, so that ``hk.BatchNorm``'s statistics and
+  ``hk.next_rng_key`` work as in plain Haiku. Every leaf not chosen is an
+  argument like the data: it keeps an ordinary gradient, which the shim
+  applies. A weight a custom getter computes (``hk.custom_getter``,
+  ``hk.mixed_precision``) is parameter-only preprocessing of its layer.
   """
   params = hk.get_params()
   outer = hk_stateful.internal_state(params=False)
@@ -242,6 +217,13 @@ def _as_units(fn, units, step, args, kwargs):
   """``fn`` traced for a loss planned whole: each call of a module of
   ``units`` one unit where the step's dX needs module boundaries, as in
   :func:`_step`.
+
+  With dX at the old weights (``mode="current"``) every primitive is its own
+  layer and the backward pass is plain Haiku's. Otherwise each call of a
+  chosen module is one ``custom_vjp`` unit (:func:`_unit`), which
+  ``immgrad.immediate`` takes for one layer: a normalisation's statistics are
+  inside it, and ``mode="updated"`` takes dX of the whole module at its new
+  weights.
   """
   if step.dx_at == 0 and not step.measure_dx:
     return fn(*args, **kwargs)
@@ -254,6 +236,9 @@ def _owners(fn, params, outer, args, kwargs) -> dict:
 
   An abstract run of ``fn`` (``jax.eval_shape``) in a copy of the frame,
   whose names and state the real run does not see.
+
+  It runs under an ``hk.custom_getter``, which sees the module that reads each
+  parameter (``GetterContext.module``).
   """
   owners = {}
 
@@ -275,7 +260,7 @@ def _owners(fn, params, outer, args, kwargs) -> dict:
         fn(*args, **kwargs)
 
   leaves, treedef = jax.tree.flatten((args, kwargs))
-  positions = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
+  positions = [i for i, leaf in enumerate(leaves) if _is_array_like(leaf)]
   jax.eval_shape(
     probe, params, outer.state, outer.rng, [leaves[i] for i in positions]
   )
@@ -297,7 +282,7 @@ def _owner(owners: dict, bundle: str, name: str) -> tuple[bool, type | None]:
   return (True, owners[max(inner, key=len), name]) if inner else (False, None)
 
 
-def _is_array(x) -> bool:
+def _is_array_like(x) -> bool:
   return (
     isinstance(x, (jax.Array, jax.ShapeDtypeStruct))
     or hasattr(x, "__jax_array__")
@@ -331,7 +316,7 @@ def _unit(chosen, next_f, args, kwargs, ctx):
   params = {b: p for b, p in frame.params.items() if own(b)}
   state = {b: s for b, s in frame.state.items() if own(b)}
   leaves, treedef = jax.tree.flatten((params, state, frame.rng, args, kwargs))
-  positions = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
+  positions = [i for i, leaf in enumerate(leaves) if _is_array_like(leaf)]
 
   def body(*dynamic):
     full = list(leaves)
@@ -377,7 +362,12 @@ def _bound(jaxpr) -> Callable:
 
 @contextlib.contextmanager
 def _casting(chosen: tuple[type, ...], compute_dtype):
-  """The chosen matrix products compute in ``compute_dtype``, if set."""
+  """The chosen matrix products compute in ``compute_dtype``, if set.
+
+  A getter that casts the chosen ``hk.Linear``, ``hk.ConvND`` and ``hk.Embed``
+  weights, and an interceptor that casts their floating inputs, in and out of
+  a step alike.
+  """
   if compute_dtype is None:
     yield
     return

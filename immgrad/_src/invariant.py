@@ -1,20 +1,9 @@
 """Values a loop body makes that are the same in every iteration.
 
-``immgrad.scan``'s forward loop stacks, per iteration, the residuals its
-backward loop needs. A residual that depends only on values fixed for the
-whole loop (what the body closes over, and constants) is the same in every
-iteration: an attention mask broadcast to the batch and heads, a layer
-norm's ``n - ddof``. Stacked, it would be written once per layer and read
-back once per layer (the mask of a 12-block GPT-small: 12 x 50 MB each
-way). JAX's own differentiation of ``lax.scan`` hoists such residuals out
-of its loop; :func:`varying` finds them in the body's program and
+``immgrad.scan``'s forward loop would stack such a residual once per layer
+(an attention mask broadcast to the batch and heads); as JAX's own
+``lax.scan`` differentiation does, :func:`varying` finds them and
 :func:`evaluate` computes them once, outside the loop.
-
-Calls (``jax.jit`` inside the body, as in ``jnp.where`` and ``jnp.var``)
-are looked into, since one call often returns both kinds. Any other
-equation is fixed only if all its inputs are, and one with effects (a
-callback, a print) never is, so that nothing the body does is repeated
-outside the loop.
 """
 
 from typing import Sequence
@@ -29,6 +18,11 @@ _CALLS = frozenset({"jit", "pjit", "closed_call", "core_call"})
 
 def varying(jaxpr: jex_core.Jaxpr, varying_in: Sequence[bool]) -> list[bool]:
   """Per output of ``jaxpr``: whether it may change with the inputs flagged.
+
+  Calls (``jax.jit`` inside the body, as in ``jnp.where`` and ``jnp.var``) are
+  looked into, since one call often returns both kinds. Any other equation is
+  fixed only if all its inputs are, and one with effects (a callback, a print)
+  never is, so that nothing the body does is repeated outside the loop.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -56,7 +50,7 @@ def evaluate(
     Per output, its value if wanted, else None. Only the equations the
     wanted outputs need are run.
   """
-  return _evaluate(closed.jaxpr, closed.consts, list(args), list(wanted))
+  return _evaluate_needed(closed.jaxpr, closed.consts, list(args), list(wanted))
 
 
 def _is_in(v, flagged: set) -> bool:
@@ -88,7 +82,7 @@ def _varying_vars(jaxpr: jex_core.Jaxpr, varying_in: Sequence[bool]) -> set:
   return flagged
 
 
-def _evaluate(jaxpr, consts, args: list, wanted: list) -> list:
+def _evaluate_needed(jaxpr, consts, args: list, wanted: list) -> list:
   flagged = _varying_vars(jaxpr, [a is None for a in args])
   # Backwards: the equations the wanted outputs need, and which of each
   # equation's outputs are needed.
@@ -119,7 +113,7 @@ def _evaluate(jaxpr, consts, args: list, wanted: list) -> list:
     ins = [read(v) for v in eqn.invars]
     inner = _inner(eqn)
     if inner is not None:
-      values = _evaluate(inner.jaxpr, inner.consts, ins, outs)
+      values = _evaluate_needed(inner.jaxpr, inner.consts, ins, outs)
     else:
       values = _bind(eqn, ins)
     env.update((v, x) for v, x in zip(eqn.outvars, values) if x is not None)

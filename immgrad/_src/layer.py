@@ -1,35 +1,9 @@
 """``immediate_layer``: a primitive layer whose backward rule steps its weights.
 
-Inside ``immgrad.value_and_grad`` a decorated ``fun(x, params)`` becomes a
-``jax.custom_vjp``. Its backward rule, given the output cotangent ``dy``:
-
-1. takes the local weight gradient ``dW`` (with the forward pass's own
-   residuals, as plain JAX would);
-2. averages it over ``axis_name`` when one is set;
-3. applies the optimizer with this layer's own optimizer state, giving the
-   layer's new weights (``mode="updated"``) and, for atomic steps, whether
-   every new weight and state is finite;
-4. computes ``dX`` at the old weights (``mode="current"``, exactly ordinary
-   backprop), at the new ones (``mode="updated"``), or at
-   ``W + a * (W_new - W)`` (``mode=a``), and with ``measure_dx`` how far the
-   update moves it, ``|dX(W_new) - dX(W)| / |dX(W)|``, returned through the
-   cotangent of the leaf's probe;
-5. returns ``dX``, ``dW`` through the cotangent slot of the hidden weight
-   channel (see ``context.py``), and 1 if the step was not finite (else 0)
-   through the step's flag, whose cotangent JAX sums over all layers.
-
-The new weights are not kept: like plain training, the backward pass keeps
-only ``dW``, and the shim commits every parameter once, at the end of the
-step, by running the same optimizer on the same ``dW``, state and weights
-(``commit.py``, which says when the two can differ in the last bit). So an
-all-or-nothing step needs no second copy of the weights and state.
-
-Under ``jax.vmap`` (and ``hk.vmap``, ``eqx.filter_vmap``) inside the loss,
-with the parameters closed over or unmapped (``in_axes=None``), the layer is
-one immediate layer on ``vmap(fun)`` and the whole batch: one step on the
-whole batch's gradient, as plain training takes (see ``_vmapped``).
-
-Outside ``immgrad.value_and_grad`` the decorated function is ``fun`` itself.
+Inside ``immgrad.value_and_grad`` a decorated ``fun(x, params)`` is a
+``jax.custom_vjp`` whose backward rule steps its weights with the layer's
+own optimizer state and takes ``dX`` at the old, new or interpolated weights
+(``docs/training-step.md``, ``docs/design.md``); outside, it is ``fun``.
 """
 
 import functools

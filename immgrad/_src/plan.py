@@ -1,28 +1,9 @@
 """One parameter's step, cut out of ``tx.update`` on the whole params tree.
 
 An immediate layer steps its parameters before the other gradients exist,
-so the shim needs each parameter's step on its own. Running ``tx`` on one
-leaf alone is not that step whenever ``tx`` looks at the tree: a mask or
-``multi_transform`` labels shaped like the params, a callable that reads
-the parameter's path, a PRNG key split once per leaf (``noisy_sgd``). So
-the shim traces ``tx.update`` once on the whole (abstract) params tree, in
-optax's own state layout, and cuts the program into
-
-* one *leaf program* per parameter: its gradient, value and the state it
-  reads in, its update and the state it owns out;
-* one *shared program*: the state that belongs to no parameter (optax's
-  step ``count``, a PRNG key) from its old value, run once per step.
-
-The cut is exact: each leaf program is the equations of the whole-tree
-program that its outputs need, unchanged, so a leaf's step is the one
-plain optax takes (the PRNG key it uses included). The same data flow
-decides what is allowed: a state leaf belongs to the one parameter whose
-gradient or value its new value depends on, or to none; a rule whose
-update or state mixes two parameters (``clip_by_global_norm``, a global
-estimate) has no cut and is refused.
-
-``jit`` calls inside the rule are traced inline (``jax.disable_jit``) so
-that a helper jitted over the whole tree does not glue leaves together.
+so the shim traces ``tx.update`` once on the whole params tree and cuts it
+into one program per parameter and one for the shared state
+(``docs/design.md``, "Each parameter's step").
 """
 
 import dataclasses

@@ -1,10 +1,8 @@
 """The per-parameter cut of ``tx``, or an error naming the part that mixes.
 
-:func:`cut` is ``plan.make`` with the refusal worded for the user: when
-``tx`` has no per-parameter cut, it searches ``tx``'s parts (``chain``'s
-members, a wrapper's inner transformation, as far as their closures show)
-for the innermost one that has none, and names it with the optax factory
-that made it.
+:func:`cut` is ``plan.make`` with the refusal worded for the user: it names
+the innermost part of ``tx`` that has no cut, by the optax factory that
+made it.
 """
 
 from typing import Any
@@ -50,21 +48,21 @@ _FIX = (
 _GENERIC = ("", "init_empty_state", "with_extra_args_support")
 
 
-def _fn_name(fn) -> str:
+def _factory_name(fn) -> str:
   """The optax factory that made ``fn``, looking through generic wrappers."""
   name = getattr(fn, "__qualname__", "").split(".<locals>")[0]
   name = name.removesuffix(".init").removesuffix(".update")
   if name not in _GENERIC:
     return name
   for value in _closure(fn):
-    if callable(value) and (inner := _fn_name(value)) not in _GENERIC:
+    if callable(value) and (inner := _factory_name(value)) not in _GENERIC:
       return inner
   return name
 
 
-def _name(tx: optax.GradientTransformation) -> str:
+def _tx_name(tx: optax.GradientTransformation) -> str:
   for fn in (tx.update, tx.init):
-    if (name := _fn_name(fn)) not in _GENERIC:
+    if (name := _factory_name(fn)) not in _GENERIC:
       return name
   return repr(tx)
 
@@ -139,7 +137,7 @@ def _check_separable(tx: optax.GradientTransformation, params: Any) -> None:
   why = _why_not_separable(tx, params)
   if why is None:
     return
-  name = culprit = _name(tx)
+  name = culprit = _tx_name(tx)
   parts = _parts(tx)
   while parts:
     for part in parts:
@@ -147,7 +145,7 @@ def _check_separable(tx: optax.GradientTransformation, params: Any) -> None:
         _why_not_separable(part, params) if _applies_to(part, params) else None
       )
       if part_why is not None:
-        culprit, why, parts = _name(part), part_why, _parts(part)
+        culprit, why, parts = _tx_name(part), part_why, _parts(part)
         break
     else:
       break
@@ -158,20 +156,25 @@ def _check_separable(tx: optax.GradientTransformation, params: Any) -> None:
 
 
 def cut(tx: optax.GradientTransformation, params: Any) -> plan_lib.Plan:
-  """``tx``'s per-parameter programs for ``params``, or an error naming it."""
+  """``tx``'s per-parameter programs for ``params``, or an error naming it.
+
+  It searches ``tx``'s parts (``chain``'s members, a wrapper's inner
+  transformation, as far as their closures show) for the innermost one that
+  has no cut.
+  """
   try:
     return plan_lib.make(tx, params)
   except plan_lib.NotSeparable:
     _check_separable(tx, params)
     raise
   except Exception as e:
-    name = culprit = _name(tx)
+    name = culprit = _tx_name(tx)
     parts = _parts(tx)
     while parts:
       failing = [p for p in parts if not _applies_to(p, params)]
       if not failing:
         break
-      culprit, parts = _name(failing[0]), _parts(failing[0])
+      culprit, parts = _tx_name(failing[0]), _parts(failing[0])
     if culprit != name:
       name = f"{name}: {culprit}"
     raise ValueError(

@@ -1,18 +1,12 @@
 """``immgrad.checkpoint``: ``jax.checkpoint`` around immediate layers.
 
-``jax.checkpoint`` traces its function with fresh tracers for the
-arguments, so an immediate layer inside cannot find its parameter (and one
-closed over would be refused, see ``context.py``). ``immgrad.checkpoint``
-has ``jax.checkpoint``'s signature; for every argument leaf that is a
-parameter of the current step it passes the leaf's hidden weight channel,
-optimizer state and dX probe (and the step's finiteness flag) in as extra
-arguments and, inside, registers the fresh tracers as that step's
-parameters. Rematerialisation re-runs the forward pass only: a layer's forward rule saves what its backward rule
-needs, and the backward rule, where the update happens, runs once per step.
+``jax.checkpoint`` hands its function fresh tracers, in which a layer cannot
+find its parameters; this passes each parameter's hidden channels in with it
+and registers the tracers as the step's (``docs/design.md``).
 """
 
 import functools
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 
@@ -36,6 +30,10 @@ def checkpoint(
   ``immgrad.value_and_grad`` this is ``jax.checkpoint``; arguments are
   ``jax.checkpoint``'s.
 
+  Rematerialisation re-runs the forward pass only: a layer's forward rule
+  saves what its backward rule needs, and the backward rule, where the update
+  happens, runs once per step.
+
   Example:
     >>> import jax, jax.numpy as jnp, optax
     >>> import immgrad
@@ -54,7 +52,9 @@ def checkpoint(
     >>> isinstance(grads["block"]["w"], immgrad.ImmediateGrad)
     True
   """
-  options = dict(prevent_cse=prevent_cse, policy=policy, **kwargs)
+  options: dict[str, Any] = dict(
+    prevent_cse=prevent_cse, policy=policy, **kwargs
+  )
   names = compat.checkpoint_options(static_argnames)
   if isinstance(static_argnums, int):
     static_argnums = (static_argnums,)

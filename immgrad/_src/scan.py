@@ -1,23 +1,9 @@
 """``immgrad.scan``: ``jax.lax.scan`` over stacked immediate layers.
 
-A plain ``lax.scan`` hands its body fresh tracers: an immediate layer inside
-cannot tell which parameter a slice came from, and a parameter closed over
-by the body would be stepped once per iteration and the new weights summed
-(both are refused, see ``context.py``). ``immgrad.scan`` has
-``jax.lax.scan``'s signature and does what the layer needs: for every leaf
-of ``xs`` that is a parameter of the current step, it scans the leaf's
-hidden weight and optimizer-state channels along with it, and inside the
-body registers the slices as that step's parameters. Each iteration's layer
-then steps its own slice exactly once, and the scan's own backward loop
-(``scan_vjp.py``) stacks the slices' gradients, as plain training's
-gradient stack. The shim commits the stacked step layer by layer.
-
-Optimizer state is sliced the way the weights are (``stacked.py``): a
-state leaf with the layer axis in front of what ``tx.init`` makes for one
-slice is scanned; one equal in shape to it (optax's step ``count``) is
-shared, every layer reading the same value. A rule that steps the
-stack unlike its layers (a per-tensor statistic such as
-``clip_by_layer_norm``'s norm) is refused.
+A plain ``lax.scan`` hides which parameter a slice came from. This one scans
+each parameter's hidden weight and optimizer-state channels along with it,
+so that each layer steps its own slice once (``docs/design.md``,
+``docs/stacked.md``).
 """
 
 from typing import Any, Callable

@@ -1,26 +1,9 @@
 """The backward loop of ``immgrad.scan``: residuals without weight copies.
 
-JAX differentiates ``lax.scan`` by stacking, in the forward loop, every
-residual the body's backward pass needs. An immediate layer's residuals
-include its weight and optimizer-state slices, so JAX would copy the whole
-stacked weights and state into the residual stacks: 1.5x the peak memory of
-plain training for a 16x1024 stack with adam.
-
-:func:`scan` is ``lax.scan`` with its own VJP:
-
-* The forward loop runs ``jax.vjp`` of the body and stacks only the
-  residuals made in the body from the carry and ``xs`` (activations). A
-  residual that *is* an input of the body (a slice of ``xs``, or a value
-  the body closes over) is not copied: the backward loop reads it again
-  where it came from. One the body makes from closed-over values and
-  constants alone (an attention mask broadcast to the batch) is the same
-  in every iteration: it is made once, before the loop (``invariant.py``),
-  as JAX's own ``lax.scan`` differentiation does.
-* The backward loop rebuilds each iteration's VJP from those pieces and
-  stacks the cotangents of ``xs`` (for stacked immediate layers: each
-  layer's gradient, as plain training's gradient stack), sums those of the
-  carry and the closed-over values, and returns symbolic zeros where
-  ``needs_cotangent`` says so.
+``lax.scan``'s own VJP would copy the stacked weights and optimizer state
+into its residual stacks; :func:`scan` stacks only the residuals the body
+makes from the carry and ``xs``, and reads the others again where they came
+from (``docs/design.md``).
 """
 
 from typing import Any, Callable

@@ -1,33 +1,9 @@
 """``shim``: the optax optimizer that commits what immediate layers computed.
 
-The shim's state is ``tx``'s own, in optax's layout (``tx.init(params)``),
-so a run moves between plain optax and immgrad by taking or wrapping it
-(:func:`shim_state_from_optax`, :func:`shim_state_to_optax`). Each
-parameter is stepped by its own program, cut out of ``tx.update`` on the
-whole params tree (``plan.py``): an immediate layer steps its leaves during
-the backward pass, long before the other gradients exist, yet each step is
-the one plain optax takes, masks, ``multi_transform`` labels, path-aware
-callables and per-leaf PRNG keys included. ``update`` takes the tree that
-``immgrad.value_and_grad`` returns and commits the whole step at once: a
-leaf that is an :class:`ImmediateGrad` is stepped again from the same
-gradient, state and weights its layer stepped it with (so its new weights
-are the ones the layer took ``dX`` at); a :class:`Stepped` leaf already
-holds its new weights; any other leaf is an ordinary gradient and gets its
-program's step. The state that belongs to no parameter (the step count, a
-PRNG key) is stepped once.
-
-Atomic steps: every layer checked its own step in the backward pass, and
-the commit is gated on the step's finiteness, so a rejected step writes
-nothing, and a clean one updates the weights and state in place, as plain
-training does: by an elementwise select on an accelerator, which XLA fuses
-with the step, and by a ``lax.cond`` per parameter on the CPU, which keeps
-its peak memory low (``commit.by_select``).
-
-So ``tx`` must act on each parameter on its own. ``plan.py`` follows the
-data flow of ``tx.update``, and ``refusal.py`` refuses a transformation
-that mixes parameters (``clip_by_global_norm``, ``apply_if_finite``, a
-global estimate kept in the state) with an error naming it and the fix,
-instead of letting it silently do something else.
+Its state is ``tx``'s own, in optax's layout. Each parameter is stepped by
+its own program, cut out of ``tx.update`` (``plan.py``), so that each step is
+the one plain optax takes; a ``tx`` that mixes parameters is refused
+(``refusal.py``).
 """
 
 from typing import Any
@@ -158,10 +134,7 @@ def shim(
       ShimState(inner=plan.state_def.unflatten(new), rejected=rejected),
     )
 
-  result = ShimTransformation(init_fn, update_fn)
-  result._inner = tx
-  result._atomic = atomic
-  return result
+  return ShimTransformation(init_fn, update_fn, inner=tx, atomic=atomic)
 
 
 def _as_transformation(tx: Any) -> optax.GradientTransformation:

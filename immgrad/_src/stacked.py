@@ -1,26 +1,12 @@
 """Optimizer state of a stacked parameter, split per layer.
 
-``immgrad.scan`` hands each iteration one layer's slice of a stacked
-parameter (leading axis: the layer), and the layer steps that slice with
-that layer's slice of the optimizer state: the program ``plan.py`` cuts
-for one layer, as if the layers were unrolled. Plain training steps the
-stack as one tensor, so that program must be the stack's step on each
-layer; a rule that steps the stack otherwise (a statistic of the whole
-tensor, a mask chosen by its ``ndim``) is refused. The state ``tx.init`` made
-for the whole stack splits per layer when each leaf the layer reads either
-has the layer axis in front of what the layer's program expects (adam's
-moments: sliced) or belongs to no parameter (optax's step ``count``, an
-injected hyperparameter: *shared*, read whole by every layer). Anything
-else (Adafactor factoring the stack over its layer axis, a per-tensor
-statistic that each layer would make anew, a PRNG key every layer would
-draw the same noise from) has no per-layer split and is refused.
-
-The same split serves the backward loop (which slices the state for each
-layer) and the shim (which commits each layer's slice).
+``immgrad.scan`` steps each layer's slice of a stacked parameter with that
+layer's slice of the optimizer state, as if the layers were unrolled; the
+backward loop and the shim split the state the same way (:func:`state_axes`).
 """
 
 import functools
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 from jax.extend import core as jax_core
@@ -68,16 +54,26 @@ _RANDOM = (
 def state_axes(
   whole: plan_lib.LeafProgram,
   layer: plan_lib.LeafProgram,
-  parts: Sequence[jax.Array],
+  parts: Sequence[jax.Array | jax.ShapeDtypeStruct],
   shared: Sequence[int],
   path: str,
 ) -> list[int | None]:
   """How the state parts ``whole`` reads split into ``layer``'s, per layer.
 
+  The layer's program (cut by ``plan.py`` for one layer) must be the stack's
+  step on each layer; a rule that steps the stack otherwise (a statistic of
+  the whole tensor, a mask chosen by its ``ndim``) is refused. A state leaf
+  splits when it has the layer axis in front of what the layer's program
+  expects (adam's moments: sliced) or belongs to no parameter (optax's step
+  ``count``, an injected hyperparameter: shared, read whole by every layer).
+  Anything else (Adafactor factoring the stack over its layer axis, a
+  per-tensor statistic, a PRNG key every layer would draw the same noise from)
+  has no per-layer split and is refused.
+
   Args:
     whole: the program of the stacked parameter as one tensor.
     layer: the program of one layer of it (``plan.sliced``).
-    parts: the state leaves ``whole`` reads (the stack's).
+    parts: the state leaves ``whole`` reads (the stack's), or their shapes.
     shared: the positions of the state that belongs to no parameter.
     path: the parameter, for errors.
 
@@ -208,7 +204,7 @@ def _compare(pair: _Pair) -> float:
   # constants. Each operation rounded to its dtype, as its HLO says: XLA
   # would otherwise keep bfloat16 intermediates in float32 where it fuses,
   # and fuse the two programs differently.
-  exact = {"xla_allow_excess_precision": False}
+  exact: dict[str, Any] = {"xla_allow_excess_precision": False}
   zero = np.zeros((), np.float32)
   with jax.default_device(_check_device()):
     lowered = jax.jit(worst_difference).lower(zero)

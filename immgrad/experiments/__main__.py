@@ -1,18 +1,9 @@
 """``python -m immgrad.experiments``: does updated backprop train faster?
 
-Trains one task three ways (plain, immgrad ``current``, immgrad
-``updated``) from the same initialisation and data order, data parallel
-over the default backend's local devices (4 simulated ones on the CPU),
-then prints a results table and writes ``results.json`` and
-``loss_curves.png`` to ``--out``. With
-``--mode-sweep`` the immgrad methods are one per fraction ``a`` of the
-update that dX sees (``mode=a``), compared with ``a=0``; with
-``--measure-dx`` each immgrad layer's dX change is recorded per step and
-plotted (``dx_change.png``). A study too long for one process splits into
-runs by ``--lr``, ``--seeds`` and ``--methods``, each with its own
-``results.json``; ``--merge`` reports them as one run (docs/results/lm.md).
-See ``python -m immgrad.experiments --help`` and the documentation's
-pages docs/faster.md ("Does it train faster?") and docs/between-modes.md.
+Trains one task plain, ``current`` and ``updated`` (or a sweep of
+``mode=a``) from the same initialisation and data order, data parallel, and
+writes a results table, ``results.json`` and plots to ``--out``
+(``--help``; docs/faster.md, docs/between-modes.md).
 """
 
 import argparse
@@ -602,7 +593,7 @@ def _report(args, run, info, out):
   if settings["measure_dx"]:
     dx_rows = _dx_rows(summaries, methods)
     text += ["", report.dx_table(dx_rows)]
-  text += ["", report.__doc__.split("\n\n", 1)[1].strip()]
+  text += ["", report.DEFINITIONS.strip()]
   if settings.get("command"):
     text += ["", f"Repeat this run with: {settings['command']}"]
   print("\n".join(text))
@@ -721,7 +712,7 @@ def _sweep(aggregates, methods):
       elif agg["final_smoothed_train_loss"] is not None:
         finals[lr_value] = agg["final_smoothed_train_loss"]["mean"]
     out[method] = {
-      "best_lr": min(finals, key=finals.get) if finals else None,
+      "best_lr": min(finals, key=finals.__getitem__) if finals else None,
       "best_final_smoothed_train_loss": min(finals.values())
       if finals
       else None,

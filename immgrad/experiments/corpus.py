@@ -124,8 +124,9 @@ def deb_members(path: str) -> Iterator[tuple[str, bytes]]:
   data = io.BytesIO(_ar_member(path, "data.tar"))
   with tarfile.open(fileobj=data, mode="r:*") as tar:
     for member in tar:
-      if member.isfile():
-        yield member.name.removeprefix("./"), tar.extractfile(member).read()
+      file = member.isfile() and tar.extractfile(member)
+      if file:
+        yield member.name.removeprefix("./"), file.read()
 
 
 def deb_version(path: str) -> str:
@@ -133,10 +134,13 @@ def deb_version(path: str) -> str:
   control = io.BytesIO(_ar_member(path, "control.tar"))
   with tarfile.open(fileobj=control, mode="r:*") as tar:
     for member in tar:
-      if member.name.removeprefix("./") == "control":
-        text = tar.extractfile(member).read().decode()
-        return re.search(r"^Version: *(\S+)", text, re.M).group(1)
-  raise ValueError(f"{path} has no control file.")
+      if member.name.removeprefix("./") != "control":
+        continue
+      file = tar.extractfile(member)
+      text = file.read().decode() if file else ""
+      if found := re.search(r"^Version: *(\S+)", text, re.M):
+        return found.group(1)
+  raise ValueError(f"{path} has no control file with a Version line.")
 
 
 # -- HTML to text -----------------------------------------------------------

@@ -1,6 +1,24 @@
 """What a run means: summaries, the sanity check, tables, JSON and a plot.
 
-Definitions, printed under every table:
+The terms of its tables are defined in ``DEFINITIONS``, printed under them.
+"""
+
+import json
+import math
+import os
+import platform
+from typing import Any
+
+import haiku
+import jax
+import numpy as np
+import optax
+
+import immgrad
+from immgrad.experiments import train as train_lib
+
+# Printed under every table of a run.
+DEFINITIONS = """Definitions, printed under every table:
 
 * *smoothed loss*: the mean training-batch loss over a trailing window of
   a tenth of the run's steps;
@@ -37,20 +55,6 @@ Definitions, printed under every table:
   from its new weights against that from its old ones, measured on the
   method's own trajectory whatever its a (norms over the whole batch).
 """
-
-import json
-import math
-import os
-import platform
-from typing import Any
-
-import haiku
-import jax
-import numpy as np
-import optax
-
-import immgrad
-from immgrad.experiments import train as train_lib
 
 SANITY_STEPS, SANITY_RTOL = 20, 1e-4
 
@@ -422,7 +426,7 @@ def best_mode(comparison: dict) -> str | None:
   ok = {
     m: r["mean"] for m, r in comparison.items() if m != "plain" and "mean" in r
   }
-  return min(ok, key=ok.get) if ok else None
+  return min(ok, key=ok.__getitem__) if ok else None
 
 
 def _value(row: dict) -> str:
@@ -436,7 +440,7 @@ def _value(row: dict) -> str:
   return cell
 
 
-def _difference(row: dict) -> str:
+def _difference_cell(row: dict) -> str:
   if row.get("baseline_diverged"):
     return "a=0 diverged, this did not: **beats**"
   if "paired_difference" not in row:
@@ -471,9 +475,9 @@ def mode_table(per_method: dict, unit: str, title: str) -> tuple[str, dict]:
   for method in per_method:
     rows.append(
       f"| {method} | {_value(train_c[method])} | "
-      f"{_difference(train_c[method])} | "
+      f"{_difference_cell(train_c[method])} | "
       f"{_value(held_c[method])} | "
-      f"{_difference(held_c[method])} |"
+      f"{_difference_cell(held_c[method])} |"
     )
   rows += [
     "",

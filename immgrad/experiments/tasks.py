@@ -1,26 +1,9 @@
 """The built-in tasks: real data that is on every machine, no download.
 
-* ``digits``: scikit-learn's 8x8 handwritten digits (1,797 images, shipped
-  with the package), a small Haiku CNN; held-out loss and accuracy.
-* ``chars``: a byte-level Haiku transformer language model on text: the
-  Python standard library's own source files (found with ``sysconfig``), or
-  any file given with ``--text``; losses in bits per byte (per character
-  for ASCII text, as the standard library's source nearly all is).
-* ``deep_mlp``: the digits data, flattened, through a residual MLP of
-  ``DEEP_MLP_BLOCKS`` (16) hidden linear layers plus input and output
-  layers (18 immediate layers in a row, unrolled): where a per-layer
-  second-order effect can compound.
-* ``deep_transformer``: the chars data through a narrow 12-block
-  transformer whose blocks run under ``hk.layer_stack`` (one stacked set of
-  weights, scanned; each block steps its own slice).
-* ``lm``: a GPT-style decoder (pre-LN blocks, causal attention, learned
-  positions) on the same bytes, in three sizes (``LM_SIZES``: ``tiny`` for
-  CPU and CI, ``small`` ~10.9M and ``base`` ~85M parameters), bfloat16
-  compute with float32 weights for ``small`` and ``base`` on accelerators.
-
-Every model is unmodified Haiku wrapped in ``immgrad.haiku.immediate``,
-which leaves them plain Haiku outside ``immgrad.value_and_grad``: the plain
-baseline trains the very same function.
+Digits (scikit-learn's) and bytes of text (the Python standard library's
+source, ``--text`` or a ``--data`` corpus), each model unmodified Haiku in
+``immgrad.haiku.immediate``, so that the plain baseline trains the very
+same function.
 """
 
 import dataclasses
@@ -100,7 +83,8 @@ def _deep_mlp(images):
 def _digits_data():
   from sklearn import datasets
 
-  data = datasets.load_digits()
+  # sklearn's annotations allow the (X, y) pair of return_X_y=True.
+  data: Any = datasets.load_digits()
   images = (data.images / 16.0).astype(np.float32)
   labels = data.target.astype(np.int32)
   order = np.random.default_rng(0).permutation(len(labels))
@@ -120,7 +104,11 @@ def digits() -> Task:
 
 
 def deep_mlp() -> Task:
-  """The digits through an 18-layer residual MLP (16 hidden blocks)."""
+  """The digits through an 18-layer residual MLP (16 hidden blocks).
+
+  18 immediate layers in a row, unrolled: where a per-layer second-order
+  effect can compound.
+  """
   return _digits_task(
     "deep_mlp",
     _deep_mlp,
@@ -242,6 +230,9 @@ def chars(
 ) -> Task:
   """A byte-level transformer LM; the last 10% of the text is held out (or
   the corpus folder ``data``'s held-out split).
+
+  Losses are in bits per byte (per character for ASCII text, as the standard
+  library's source nearly all is).
   """
   return _text_task(
     "chars",
@@ -306,7 +297,7 @@ def read_corpus(folder: str) -> Corpus:
   """
   train, train_path = _read_split(folder, "train")
   heldout, heldout_path = _read_split(folder, "heldout")
-  info = dict(path=folder, sources=None)
+  info: dict[str, Any] = dict(path=folder, sources=None)
   for name, data, path in (
     ("train", train, train_path),
     ("heldout", heldout, heldout_path),
@@ -375,7 +366,7 @@ def _text_task(
     train = np.frombuffer(corpus.train, np.uint8)
     heldout = np.frombuffer(corpus.heldout, np.uint8)
     source = f"the corpus {data}"
-    info = dict(corpus.info, disjoint_windows=True)
+    info: dict[str, Any] = dict(corpus.info, disjoint_windows=True)
   else:
     if text is None:
       raw, source = _stdlib_text(limit)
@@ -387,9 +378,11 @@ def _text_task(
     train, heldout = tokens[:split], tokens[split:]
     info = dict(
       path=text or source,
-      train=dict(bytes=len(train), sha256=hashlib.sha256(train).hexdigest()),
+      train=dict(
+        bytes=len(train), sha256=hashlib.sha256(train.tobytes()).hexdigest()
+      ),
       heldout=dict(
-        bytes=len(heldout), sha256=hashlib.sha256(heldout).hexdigest()
+        bytes=len(heldout), sha256=hashlib.sha256(heldout.tobytes()).hexdigest()
       ),
       disjoint_windows=False,
     )

@@ -1,30 +1,7 @@
-"""Trains one task three ways, in lockstep, data parallel over a mesh.
+"""Trains one task several ways, in lockstep, data parallel over a mesh.
 
-The three methods start from the same parameters and see the same batches
-in the same order:
-
-* ``plain``: ``jax.value_and_grad`` + optax, gradients averaged with
-  ``lax.pmean`` over the data axis;
-* ``current``: ``immgrad.value_and_grad(mode="current")`` with
-  ``axis_name``, so each layer's gradient is averaged in its backward rule
-  (must track ``plain`` to float rounding);
-* ``updated``: the same with ``mode="updated"``.
-
-With a mode sweep (:func:`methods_of`) the immgrad methods are instead one
-per fraction ``a`` of the update that dX sees, named ``a=0``, ``a=0.5``...:
-``immgrad.value_and_grad(mode=a)``, ``a=0`` being ``current``. With
-``measure_dx`` every immgrad method also records, per immediate layer and
-step, ``|dX_updated - dX_current| / |dX_current|`` (``measure_dx=True``).
-
-Each step runs under ``jax.shard_map`` over the devices (the batch split
-along the data axis, parameters replicated) and is jitted with parameters
-and optimizer state donated. The methods take turns step by step, in an
-order that rotates every step, so drift in the machine's speed (another
-process, thermal throttling) falls on all of them alike. A step's time is
-the wall time from dispatch until its loss is on the host; compilation is
-done, and timed, before the first step. The shim runs with
-``atomic=False``: a non-finite step is applied, as plain optax would, and
-counted as a divergence.
+The methods (:func:`methods_of`) start from the same parameters and see the
+same batches in the same order, taking turns step by step.
 """
 
 import dataclasses
@@ -52,7 +29,7 @@ def methods_of(modes=None) -> dict:
   """
   if modes is None:
     return {"plain": None, "current": "current", "updated": "updated"}
-  out = {"plain": None}
+  out: dict[str, str | float | None] = {"plain": None}
   for a in modes:
     name = mode_name(a)
     if name in out:
@@ -162,7 +139,7 @@ def _step_fn(method, mode, task, opt, mesh, measure_dx=False):
   if mode is None:
     tx = opt
 
-    def step(params, opt_state, inputs, targets):
+    def plain_step(params, opt_state, inputs, targets):
       loss, grads = jax.value_and_grad(task.loss_fn)(params, inputs, targets)
       grads = jax.lax.pmean(grads, AXIS)
       updates, opt_state = tx.update(grads, opt_state, params)
@@ -171,6 +148,8 @@ def _step_fn(method, mode, task, opt, mesh, measure_dx=False):
         opt_state,
         jax.lax.pmean(loss, AXIS),
       )
+
+    step = plain_step
   else:
     tx = immgrad.shim(opt, atomic=False)
     grad_fn = immgrad.value_and_grad(
@@ -220,6 +199,17 @@ def train(
   current, updated). ``measure_dx``: record each immgrad method's dX change
   per layer and step in ``Run.dx_change``. ``devices``: those to train
   data parallel on (default: all).
+
+  Each step runs under ``jax.shard_map`` over the devices (the batch split
+  along the data axis, parameters replicated), jitted with parameters and
+  optimizer state donated; ``current`` averages each layer's gradient in its
+  backward rule and must track ``plain`` to float rounding. The methods take
+  turns in an order that rotates every step, so that drift in the machine's
+  speed (another process, thermal throttling) falls on all of them alike. A
+  step's time is the wall time from dispatch until its loss is on the host;
+  compilation is done, and timed, before the first step. The shim runs with
+  ``atomic=False``: a non-finite step is applied, as plain optax would, and
+  counted as a divergence.
   """
   methods = methods or methods_of()
   names = tuple(methods)

@@ -1,19 +1,8 @@
 """Checkpoints of params and shim state: one ``.npz`` file, bit-exact.
 
-For small single-host runs. A checkpoint of immgrad is an ordinary pytree
-(params and a ``ShimState``), and what a user needs is that it resumes
-*bitwise* and that it opens anywhere. A NumPy ``.npz`` archive does both
-with no dependency beyond NumPy: each leaf is stored as its raw bits (so
-bfloat16 and int32 counts round-trip exactly) under its key path
-(``['params']['linear']['w']``), with a small JSON manifest of dtypes and
-shapes. Keys are paths, not positions, so params saved from a plain Haiku
-model load into the same model made immediate, and back. It gathers every
-array onto one host and writes synchronously: sharded, multi-host or
-asynchronous checkpoints are orbax-checkpoint's, on the same pytrees
-(tested in ``tests/test_orbax.py``; docs/checkpoints.md).
-
-Writes are atomic: the archive is written to a temporary file in the same
-folder and renamed over the target, so a crash never leaves a torn file.
+For small single-host runs, with no dependency beyond NumPy; sharded,
+multi-host or asynchronous checkpoints are orbax-checkpoint's, on the same
+pytrees (docs/checkpoints.md).
 """
 
 import json
@@ -30,6 +19,14 @@ _FORMAT = 1
 
 def save_checkpoint(path: str, tree: Any) -> None:
   """Writes ``tree`` (params, shim state, or a dict of both) to ``path``.
+
+  Each leaf is stored as its raw bits (so bfloat16 and int32 counts round-trip
+  exactly) under its key path (``['params']['linear']['w']``), with a small
+  JSON manifest of dtypes and shapes. Keys are paths, not positions, so params
+  saved from a plain Haiku model load into the same model made immediate, and
+  back. Every array is gathered onto one host and written synchronously, to a
+  temporary file renamed over ``path``, so that a crash never leaves a torn
+  file.
 
   Args:
     path: the file to write (conventionally ``*.npz``); replaced atomically.
