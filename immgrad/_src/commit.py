@@ -9,6 +9,7 @@ commit (``docs/design.md``, "Committing a step").
 import math
 from typing import Any
 
+import chex
 import jax
 from jax import lax
 import jax.numpy as jnp
@@ -81,7 +82,7 @@ def step_layers(levels: list, grad, state, weights):
   )(grad, state, weights)
 
 
-def landing(new: jax.Array, param: jax.Array) -> jax.Array:
+def landing(new: chex.Array, param: jax.Array) -> jax.Array:
   """The update that ``optax.apply_updates`` turns ``param`` into ``new`` by.
 
   ``-0.0`` where they are equal, so that ``param + update`` is ``param``

@@ -139,7 +139,7 @@ def value_and_grad(
     shapes = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), params
     )
-    run = None
+    run: context.Step | None = None
 
     def loss(views, weights, flag, probes):
       nonlocal run
@@ -178,6 +178,7 @@ def value_and_grad(
     value, backward, *aux = jax.vjp(
       loss, leaves, leaves, jnp.zeros((), jnp.float32), probes, has_aux=has_aux
     )
+    assert run is not None  # Set by loss, which jax.vjp has just traced.
     if dx_at != 0 and all(slot.layer is None for slot in run.slots):
       raise ValueError(
         _NO_LAYER.format(mode=mode, fun=getattr(fun, "__qualname__", fun))
@@ -263,8 +264,7 @@ def _check_loss(fun, out, has_aux):
     )
   value = out[0] if has_aux else out
   if not (
-    hasattr(value, "shape")
-    and value.shape == ()
+    getattr(value, "shape", None) == ()
     and jnp.issubdtype(jnp.result_type(value), jnp.floating)
   ):
     raise TypeError(

@@ -26,7 +26,7 @@ def immediate_layer(
   *,
   name: str | None = None,
   compute_dtype: Any | None = None,
-):
+) -> Callable:
   """Makes a primitive layer ``fun(x, params) -> y`` update immediately.
 
   Decorate the smallest parametric primitive (an affine map, a convolution,

@@ -171,13 +171,13 @@ def scan(
       unroll=unroll,
     )
 
-    out_consts = [None] * len(consts)
+    out_consts: list[Any] = [None] * len(consts)
     for i, d in zip(summed, d_consts):
       out_consts[i] = d
-    out_init = [None] * n_carry
+    out_init: list[Any] = [None] * n_carry
     for k, d in zip(floats, d_carry):
       out_init[k] = d
-    out_xs = [None] * len(xs)
+    out_xs: list[Any] = [None] * len(xs)
     for j, d in zip(stacked, d_xs):
       out_xs[j] = d
     init_tree = jax.tree.structure(traced["out"][0])

@@ -8,6 +8,7 @@ the one plain optax takes; a ``tx`` that mixes parameters is refused
 
 from typing import Any
 
+import chex
 import jax
 import jax.numpy as jnp
 import optax
@@ -112,7 +113,7 @@ def shim(
     refusal.cut(tx, params)
     return ShimState(inner=tx.init(params), rejected=jnp.zeros((), jnp.int32))
 
-  def update_fn(grads, state, params=None):
+  def update_fn(updates, state, params=None):
     if params is None:
       raise ValueError(
         "immgrad.shim: update needs params: call "
@@ -120,7 +121,7 @@ def shim(
       )
     keyed, treedef = jax.tree_util.tree_flatten_with_path(params)
     paths = [jax.tree_util.keystr(path) for path, _ in keyed]
-    grads = flatten_like(treedef, grads, "grads")
+    grads = flatten_like(treedef, updates, "grads")
     for path, g, (_, p) in zip(paths, grads, keyed):
       _check_like(path, _value_of(g), p)
     plan = refusal.cut(tx, params)
@@ -153,7 +154,7 @@ def _as_transformation(tx: Any) -> optax.GradientTransformation:
   )
 
 
-def _value_of(g) -> jax.Array:
+def _value_of(g) -> chex.Array:
   if isinstance(g, ImmediateGrad):
     return g.grad
   if isinstance(g, Stepped):
