@@ -17,13 +17,13 @@ pages docs/faster.md ("Does it train faster?") and docs/between-modes.md.
 
 import argparse
 import datetime
-import json
 import os
 import sys
 
 import jax
 
 from immgrad.experiments import report
+from immgrad.experiments import stats
 from immgrad.experiments import tasks as tasks_lib
 from immgrad.experiments import train as train_lib
 
@@ -396,10 +396,7 @@ def _command(args, settings: dict) -> str:
 
 def _load(args):
   """``--merge``: the runs of several results.json, as if run together."""
-  loaded = []
-  for path in args.merge:
-    with open(path) as f:
-      loaded.append(json.load(f))
+  loaded = [report.read_json(path) for path in args.merge]
   first = loaded[0]
   for path, other in zip(args.merge, loaded):
     for key in ("task", "loss_unit"):
@@ -522,6 +519,7 @@ def _report(args, run, info, out):
   settings, unit, name = info["settings"], info["loss_unit"], info["name"]
   lr, steps, methods = settings["lr"], settings["steps"], settings["methods"]
   records, sanity, aggregates, summaries, lags = [], [], {}, {}, {}
+  by_seed = {}  # lr -> seed -> method -> (Run, summary), where plain ran.
   for (run_lr, seed), runs in sorted(run.items()):
     per_method = summaries.setdefault(run_lr, {m: [] for m in methods})
     target = args.target or report.default_target(runs, steps)
@@ -529,6 +527,11 @@ def _report(args, run, info, out):
       summary = report.summarise(r, runs.get("plain"), steps, target)
       summary["target"] = target
       per_method[method].append(summary)
+      if "plain" in runs:
+        by_seed.setdefault(run_lr, {}).setdefault(seed, {})[method] = (
+          r,
+          summary,
+        )
       if "plain" in runs and method != "plain":
         lags.setdefault(run_lr, {}).setdefault(method, []).append(
           report.steps_behind(r.losses, runs["plain"].losses, steps)
@@ -543,9 +546,7 @@ def _report(args, run, info, out):
         summary=summary,
       )
       if r.dx_change is not None:
-        record["dx_change"] = {
-          k: [float(f"{v:.4g}") for v in vs] for k, vs in r.dx_change.items()
-        }
+        record["dx_change"] = r.dx_change
         summary["dx"] = report.dx_summary(r.dx_change, r.diverged_at)
       records.append(record)
     if "plain" in runs and report.reference_method(runs) in runs:
@@ -588,6 +589,14 @@ def _report(args, run, info, out):
     )
   if lags.get(lr):
     text += ["", report.lag_table(lags[lr], steps)]
+  against = {
+    lr_value: stats.against_plain(per_seed, steps, args.target)
+    for lr_value, per_seed in sorted(by_seed.items())
+  }
+  for lr_value, comparison in against.items():
+    text += ["", stats.table(comparison, lr_value)]
+  if against:
+    text += ["", stats.legend(unit, args.target)]
   sweep = None
   if settings["lr_sweep"]:
     sweep = _sweep(aggregates, methods)
@@ -623,7 +632,8 @@ def _report(args, run, info, out):
         str(k): dict(at_steps=report.lag_steps(steps), per_seed=v)
         for k, v in lags.items()
       },
-      runs=records,
+      against_plain={str(k): v for k, v in against.items()},
+      runs=[report.rounded_run(r) for r in records],
     ),
   )
   report.plot(
@@ -634,6 +644,22 @@ def _report(args, run, info, out):
     f"{name}: {settings['optimizer']} lr {lr:g}, seeds {settings['seeds']}",
   )
   written = ["results.json", "loss_curves.png"]
+  head = f"{name}: {settings['optimizer']}, seeds {settings['seeds']}"
+  if any(report._heldout(r)[1] for r in records):
+    report.plot_heldout(
+      os.path.join(out, "heldout_curves.png"), records, unit, head
+    )
+    written.append("heldout_curves.png")
+    if len(settings["lrs"]) > 1:
+      report.plot_against_lr(
+        os.path.join(out, "heldout_against_lr.png"), records, unit, head
+      )
+      written.append("heldout_against_lr.png")
+  if any(against.values()):
+    report.plot_steps_to_target(
+      os.path.join(out, "steps_to_target.png"), against, head
+    )
+    written.append("steps_to_target.png")
   if settings["measure_dx"]:
     report.plot_dx(
       os.path.join(out, "dx_change.png"),
