@@ -234,3 +234,27 @@ def test_write_json_rounds_nothing_and_puts_number_lists_on_one_line(
   assert first == (tmp_path / "2.json.gz").read_bytes()
   assert json.loads(gzip.decompress(first)) == payload
   assert report.read_json(str(tmp_path / "1.json.gz")) == payload
+
+
+def test_heldout_against_lr_is_the_seed_mean_with_its_t_interval():
+  records = [
+    dict(
+      lr=lr, seed=seed, method=m, evals=r.evals, summary={"diverged_at": None}
+    )
+    for lr in (0.1, 0.2)
+    for seed in SHIFT
+    for m, r in _runs(seed).items()
+  ]
+  records[-1]["summary"] = {"diverged_at": 3}  # lr 0.2, seed 2, a=1: out.
+  points = stats.against_lr(records)
+  assert points["plain"] == [(0.1, 2.0, 0.0), (0.2, 2.0, 0.0)]
+  (lr, mean, half), (lr2, mean2, half2) = points["a=1"]
+  # Held-out 2.1, 2.2, 2.3: 2.2 +- 0.248414 (above); at 0.2 seeds 0 and
+  # 1 only: 2.15 +- t(0.975, 1) x 0.070711 / sqrt(2) = 2.15 +- 0.635310.
+  assert (lr, lr2) == (0.1, 0.2)
+  assert mean == pytest.approx(2.2) and half == pytest.approx(
+    0.248414, abs=1e-6
+  )
+  assert mean2 == pytest.approx(2.15) and half2 == pytest.approx(
+    0.635310, abs=1e-6
+  )

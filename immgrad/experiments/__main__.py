@@ -645,14 +645,17 @@ def _report(args, run, info, out):
   )
   written = ["results.json", "loss_curves.png"]
   head = f"{name}: {settings['optimizer']}, seeds {settings['seeds']}"
-  if any(report._heldout(r)[1] for r in records):
+  if any(report.heldout(r)[1] for r in records):
     report.plot_heldout(
       os.path.join(out, "heldout_curves.png"), records, unit, head
     )
     written.append("heldout_curves.png")
     if len(settings["lrs"]) > 1:
       report.plot_against_lr(
-        os.path.join(out, "heldout_against_lr.png"), records, unit, head
+        os.path.join(out, "heldout_against_lr.png"),
+        stats.against_lr(records),
+        unit,
+        head,
       )
       written.append("heldout_against_lr.png")
   if any(against.values()):

@@ -705,7 +705,7 @@ def _pyplot():
   return plt
 
 
-def _heldout(record: dict) -> tuple[list, list]:
+def heldout(record: dict) -> tuple[list, list]:
   """A run's held-out evaluations after step 0: steps, losses."""
   evals = [e for e in record["evals"] if e["step"] > 0 and "heldout_loss" in e]
   return [e["step"] for e in evals], [e["heldout_loss"] for e in evals]
@@ -726,7 +726,7 @@ def plot_heldout(path: str, records: list[dict], unit: str, title: str) -> None:
       by_step = {}
       for r in records:
         if r["lr"] == lr and r["method"] == method:
-          for step, loss in zip(*_heldout(r)):
+          for step, loss in zip(*heldout(r)):
             by_step.setdefault(step, []).append(loss)
       if not by_step:
         continue
@@ -754,39 +754,20 @@ def plot_heldout(path: str, records: list[dict], unit: str, title: str) -> None:
   plt.close(fig)
 
 
-def plot_against_lr(path: str, records: list[dict], unit: str, title: str):
-  """Final held-out loss against learning rate, a line per method: the
-  mean over seeds with its 95% t interval (runs that diverged left out).
+def plot_against_lr(path: str, points: dict, unit: str, title: str) -> None:
+  """Final held-out loss against learning rate, a line per method;
+  ``points``: method -> (lr, mean, half width) (``stats.against_lr``).
   """
-  from immgrad.experiments import stats
-
   plt = _pyplot()
-  colors = _colors([r["method"] for r in records])
+  colors = _colors(points)
   fig, ax = plt.subplots(figsize=(6.5, 4.2))
-  for method in colors:
-    xs, means, halves = [], [], []
-    for lr in sorted({r["lr"] for r in records}):
-      values = [
-        _heldout(r)[1][-1]
-        for r in records
-        if r["lr"] == lr
-        and r["method"] == method
-        and r["summary"]["diverged_at"] is None
-        and _heldout(r)[1]
-      ]
-      if not values:
-        continue
-      xs.append(lr)
-      means.append(float(np.mean(values)))
-      halves.append(
-        stats.t_quantile(0.975, len(values) - 1)
-        * float(np.std(values, ddof=1))
-        / math.sqrt(len(values))
-        if len(values) > 1
-        else 0.0
-      )
+  for i, (method, rows) in enumerate(points.items()):
+    if not rows:
+      continue
+    lrs, means, halves = zip(*rows)
     ax.errorbar(
-      xs,
+      # Each method a little to the side, so that the bars do not cover.
+      [lr * 1.02 ** (i - len(points) / 2) for lr in lrs],
       means,
       yerr=halves,
       marker="o",

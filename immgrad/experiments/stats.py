@@ -211,3 +211,33 @@ def legend(unit: str, target: float | None) -> str:
     f"Losses in {unit}; interval: mean ± t(0.975, n - 1) x sd / sqrt(n) "
     f"over the n seeds (none for one seed); {rule}."
   )
+
+
+def against_lr(records: list[dict]) -> dict:
+  """Final held-out loss per method and lr (results.json ``runs``): method
+  -> [(lr, mean over seeds, half width of its 95% t interval)], runs that
+  diverged left out (half width 0 for one seed).
+  """
+  out = {}
+  for lr in sorted({r["lr"] for r in records}):
+    for method in dict.fromkeys(r["method"] for r in records):
+      values = [
+        report.heldout(r)[1][-1]
+        for r in records
+        if r["lr"] == lr
+        and r["method"] == method
+        and r["summary"]["diverged_at"] is None
+        and report.heldout(r)[1]
+      ]
+      if not values:
+        out.setdefault(method, [])
+        continue
+      half = 0.0
+      if len(values) > 1:
+        half = (
+          t_quantile(0.5 + LEVEL / 2, len(values) - 1)
+          * float(np.std(values, ddof=1))
+          / math.sqrt(len(values))
+        )
+      out.setdefault(method, []).append((lr, float(np.mean(values)), half))
+  return out
