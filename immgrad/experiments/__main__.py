@@ -3,8 +3,10 @@
 Trains one task three ways (plain, immgrad ``current``, immgrad
 ``updated``) from the same initialisation and data order, data parallel
 over the default backend's local devices (4 simulated ones on the CPU),
-then prints a results table and writes ``results.json`` and
-``loss_curves.png`` to ``--out``. With
+then prints a results table and each method against plain (paired by
+seed, 95% t intervals: ``stats.py``) and writes ``results.json``,
+``loss_curves.png`` and the held-out and steps-to-target figures to
+``--out``. With
 ``--mode-sweep`` the immgrad methods are one per fraction ``a`` of the
 update that dX sees (``mode=a``), compared with ``a=0``; with
 ``--measure-dx`` each immgrad layer's dX change is recorded per step and
@@ -644,25 +646,13 @@ def _report(args, run, info, out):
     f"{name}: {settings['optimizer']} lr {lr:g}, seeds {settings['seeds']}",
   )
   written = ["results.json", "loss_curves.png"]
-  head = f"{name}: {settings['optimizer']}, seeds {settings['seeds']}"
-  if any(report.heldout(r)[1] for r in records):
-    report.plot_heldout(
-      os.path.join(out, "heldout_curves.png"), records, unit, head
-    )
-    written.append("heldout_curves.png")
-    if len(settings["lrs"]) > 1:
-      report.plot_against_lr(
-        os.path.join(out, "heldout_against_lr.png"),
-        stats.against_lr(records),
-        unit,
-        head,
-      )
-      written.append("heldout_against_lr.png")
-  if any(against.values()):
-    report.plot_steps_to_target(
-      os.path.join(out, "steps_to_target.png"), against, head
-    )
-    written.append("steps_to_target.png")
+  written += _study_figures(
+    out,
+    records,
+    against,
+    unit,
+    f"{name}: {settings['optimizer']}, seeds {settings['seeds']}",
+  )
   if settings["measure_dx"]:
     report.plot_dx(
       os.path.join(out, "dx_change.png"),
@@ -672,6 +662,32 @@ def _report(args, run, info, out):
     written.append("dx_change.png")
   print(f"\nwrote {', '.join(f'{out}/{w}' for w in written)}")
   return 0 if passed else 1
+
+
+def _study_figures(out, records, against, unit, title) -> list[str]:
+  """Held-out curves, held-out loss against lr (several lrs) and steps to
+  target (where plain ran): the files written.
+  """
+  written = []
+  if any(report.heldout(r)[1] for r in records):
+    report.plot_heldout(
+      os.path.join(out, "heldout_curves.png"), records, unit, title
+    )
+    written.append("heldout_curves.png")
+    if len({r["lr"] for r in records}) > 1:
+      report.plot_against_lr(
+        os.path.join(out, "heldout_against_lr.png"),
+        stats.against_lr(records),
+        unit,
+        title,
+      )
+      written.append("heldout_against_lr.png")
+  if any(against.values()):
+    report.plot_steps_to_target(
+      os.path.join(out, "steps_to_target.png"), against, title
+    )
+    written.append("steps_to_target.png")
+  return written
 
 
 def _mode_sweep(summaries, lr, sweep, methods, name, optimizer, unit):

@@ -719,7 +719,11 @@ def plot_heldout(path: str, records: list[dict], unit: str, title: str) -> None:
   lrs = sorted({r["lr"] for r in records})
   colors = _colors([r["method"] for r in records])
   fig, axes = plt.subplots(
-    1, len(lrs), squeeze=False, sharey=True, figsize=(4.6 * len(lrs) + 1, 4)
+    1,
+    len(lrs),
+    squeeze=False,
+    sharey=True,
+    figsize=(max(6.5, 4.6 * len(lrs) + 1), 4.3),
   )
   for ax, lr in zip(axes[0], lrs):
     for method in colors:
@@ -747,7 +751,7 @@ def plot_heldout(path: str, records: list[dict], unit: str, title: str) -> None:
   axes[0][0].set_ylabel(f"held-out loss ({unit})")
   axes[0][0].legend(fontsize=8)
   fig.suptitle(
-    f"{title}; line: mean over seeds, band: lowest to highest seed", fontsize=9
+    f"{title}\nline: mean over seeds, band: lowest to highest seed", fontsize=9
   )
   fig.tight_layout()
   fig.savefig(path, dpi=110)
@@ -782,7 +786,7 @@ def plot_against_lr(path: str, points: dict, unit: str, title: str) -> None:
   ax.grid(True, alpha=0.3)
   ax.legend(fontsize=8)
   ax.set_title(
-    f"{title}; mean over seeds, bars: 95% t interval of the mean", fontsize=9
+    f"{title}\nmean over seeds, bars: its 95% t interval", fontsize=9
   )
   fig.tight_layout()
   fig.savefig(path, dpi=110)
@@ -797,7 +801,11 @@ def plot_steps_to_target(path: str, against: dict, title: str) -> None:
   plt = _pyplot()
   lrs = [lr for lr in sorted(against) if against[lr]]
   fig, axes = plt.subplots(
-    1, len(lrs), squeeze=False, sharey=True, figsize=(3.6 * len(lrs) + 1, 4)
+    1,
+    len(lrs),
+    squeeze=False,
+    sharey=True,
+    figsize=(max(6.5, 3.6 * len(lrs) + 1), 4.3),
   )
   for ax, lr in zip(axes[0], lrs):
     methods = list(against[lr])
@@ -840,7 +848,8 @@ def plot_steps_to_target(path: str, against: dict, title: str) -> None:
     ax.grid(True, axis="y", alpha=0.3)
   axes[0][0].set_ylabel("steps to target, method minus plain")
   fig.suptitle(
-    f"{title}; dots: seeds, square and bar: mean and 95% t interval", fontsize=9
+    f"{title}\ndots: seeds; square and bar: their mean and its 95% t interval",
+    fontsize=9,
   )
   fig.tight_layout()
   fig.savefig(path, dpi=110)
