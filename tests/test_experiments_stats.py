@@ -143,8 +143,8 @@ def test_a_diverged_run_is_named_with_its_seeds():
     return runs
 
   row = stats.against_plain(_by_seed(diverging), STEPS, None)["a=1"]
-  assert row["diverged"] == [1] and "final_heldout_loss" not in row
-  assert "diverged (seeds [1])" in stats.table({"a=1": row}, 0.1)
+  assert row["diverged"] == {"a=1": [1]} and "final_heldout_loss" not in row
+  assert "a=1 diverged on seeds [1] |" in stats.table({"a=1": row}, 0.1)
 
 
 def _results_json(path, lr, methods=("plain", "a=1")):

@@ -162,7 +162,8 @@ def parse(argv):
     default=None,
     help="target loss for steps/seconds to target (default: "
     "the highest final smoothed training loss of the "
-    "methods, which all of them reach)",
+    "methods, which all of them reach; against plain, the "
+    "higher of the method's and plain's on each seed)",
   )
   p.add_argument("--eval-every", type=int, default=None)
   p.add_argument(

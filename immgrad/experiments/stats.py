@@ -123,21 +123,21 @@ def against_plain(runs: dict, steps: int, target: float | None) -> dict:
   """Every method against plain at one learning rate.
 
   ``runs``: seed -> {method: (``Run``, its summary)}. Returns method ->
-  {figure: :func:`paired`, or why not: ``diverged`` seeds, ``never``
-  (seeds where one of the two never reaches the target)}.
+  {figure: :func:`paired`}, or for a method with a seed where it or plain
+  diverged, ``diverged``: {method or plain: seeds}; steps to target also
+  names the seeds where one of the two ``never`` reaches the target.
   """
   seeds = sorted(runs)
   methods = [m for m in runs[seeds[0]] if m != "plain"]
   out = {}
   for m in methods:
-    diverged = [
-      s
-      for s in seeds
-      if any(runs[s][k][0].diverged_at is not None for k in (m, "plain"))
-    ]
+    diverged = {
+      k: [s for s in seeds if runs[s][k][0].diverged_at is not None]
+      for k in (m, "plain")
+    }
     row = {"seeds": seeds}
-    if diverged:
-      row["diverged"] = diverged
+    if any(diverged.values()):
+      row["diverged"] = {k: v for k, v in diverged.items() if v}
       out[m] = row
       continue
     for key, _ in LOSSES:
@@ -191,7 +191,10 @@ def table(comparison: dict, lr: float) -> str:
   ]
   for m, row in comparison.items():
     if "diverged" in row:
-      cells = [f"diverged (seeds {row['diverged']})"] * len(head)
+      why = "; ".join(
+        f"{k} diverged on seeds {v}" for k, v in row["diverged"].items()
+      )
+      cells = [why] * len(head)
     else:
       cells = [_cell(row[key], ".4g") for key, _ in LOSSES]
       cells.append(_cell(row["steps_to_target"], ".0f"))
