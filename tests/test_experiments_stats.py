@@ -130,7 +130,7 @@ def test_a_fixed_target_never_reached_is_reported_not_dropped():
   assert [steps["per_seed"][s] for s in SHIFT] == [
     {"target": 1.8, "method": None, "plain": 20}
   ] * 3
-  table = stats.table({"a=1": row}, 0.1)
+  table = stats.table({"a=1": row}, "lr 0.1")
   assert "| a=1 | 3 |" in table and table.rstrip().endswith("| - |")
 
 
@@ -144,7 +144,7 @@ def test_a_diverged_run_is_named_with_its_seeds():
 
   row = stats.against_plain(_by_seed(diverging), STEPS, None)["a=1"]
   assert row["diverged"] == {"a=1": [1]} and "final_heldout_loss" not in row
-  assert "a=1 diverged on seeds [1] |" in stats.table({"a=1": row}, 0.1)
+  assert "a=1 diverged on seeds [1] |" in stats.table({"a=1": row}, "lr 0.1")
 
 
 def _results_json(path, lr, methods=("plain", "a=1")):
@@ -211,8 +211,11 @@ def test_merge_prints_and_writes_the_paired_table_and_figures(tmp_path):
     "-0.1 [-0.1, -0.1] | +2 [-1, +6] |" in printed
   )
   assert "Against plain, lr 0.2" in printed and stats.TARGET_RULE in printed
+  # Both rates alike: each method's best is the first, 0.1.
+  assert "each at its own best lr (plain 0.1, a=1 0.1;" in printed
   merged = report.read_json(str(out / "results.json"))
   steps = merged["against_plain"]["0.1"]["a=1"]["steps_to_target"]
+  assert merged["against_plain_tuned"]["best_lr"] == {"plain": 0.1, "a=1": 0.1}
   assert steps["differences"] == [1.0, 2.0, 4.0]
   for name in ("heldout_curves", "heldout_against_lr", "steps_to_target"):
     assert (out / f"{name}.png").stat().st_size > 10_000, name
@@ -258,3 +261,29 @@ def test_heldout_against_lr_is_the_seed_mean_with_its_t_interval():
   assert mean2 == pytest.approx(2.15) and half2 == pytest.approx(
     0.635310, abs=1e-6
   )
+
+
+def test_each_method_at_its_own_best_lr_pairs_across_rates():
+  # At lr 0.2 plain ends 0.1 higher in held-out loss (2.1) and a=1 0.25
+  # lower (1.85, 1.95, 2.05: mean 1.95, below its 2.2 at 0.1): plain's
+  # best lr is 0.1, a=1's 0.2. Paired by seed: 1.85, 1.95, 2.05 minus
+  # plain's 2.0 at 0.1: -0.15, -0.05, +0.05, mean -0.05, sd 0.1, interval
+  # -0.05 +- 0.248414 (as above).
+  def at_02(seed):
+    runs = _runs(seed)
+    runs["plain"].evals = runs["plain"].evals[:2] + [
+      {"step": 20, "heldout_loss": 2.1}
+    ]
+    runs["a=1"].evals = runs["a=1"].evals[:2] + [
+      {"step": 20, "heldout_loss": 1.75 + HELDOUT[seed]}
+    ]
+    return runs
+
+  by_lr = {0.1: _by_seed(), 0.2: _by_seed(at_02)}
+  best, per_seed = stats.tuned(by_lr)
+  assert best == {"plain": 0.1, "a=1": 0.2}
+  assert list(per_seed) == [0, 1, 2]
+  held = stats.against_plain(per_seed, STEPS, None)["a=1"]["final_heldout_loss"]
+  assert held["differences"] == pytest.approx([-0.15, -0.05, 0.05])
+  assert held["low"] == pytest.approx(-0.05 - 0.248414, abs=1e-6)
+  assert held["high"] == pytest.approx(-0.05 + 0.248414, abs=1e-6)

@@ -597,7 +597,21 @@ def _report(args, run, info, out):
     for lr_value, per_seed in sorted(by_seed.items())
   }
   for lr_value, comparison in against.items():
-    text += ["", stats.table(comparison, lr_value)]
+    text += ["", stats.table(comparison, f"lr {lr_value:g}")]
+  tuned = None
+  if len(by_seed) > 1:
+    best, per_seed = stats.tuned(by_seed)
+    if "plain" in best and per_seed:
+      tuned = dict(
+        best_lr=best,
+        comparison=stats.against_plain(per_seed, steps, args.target),
+      )
+      where = (
+        "each at its own best lr ("
+        + ", ".join(f"{m} {v:g}" for m, v in best.items())
+        + "; best: lowest final held-out loss, mean over seeds)"
+      )
+      text += ["", stats.table(tuned["comparison"], where)]
   if against:
     text += ["", stats.legend(unit, args.target)]
   sweep = None
@@ -636,6 +650,7 @@ def _report(args, run, info, out):
         for k, v in lags.items()
       },
       against_plain={str(k): v for k, v in against.items()},
+      against_plain_tuned=tuned,
       runs=[report.rounded_run(r) for r in records],
     ),
   )

@@ -179,11 +179,11 @@ def _cell(figure: dict, digits: str) -> str:
   return cell
 
 
-def table(comparison: dict, lr: float) -> str:
-  """Markdown table of :func:`against_plain` at ``lr``."""
+def table(comparison: dict, where: str) -> str:
+  """Markdown table of :func:`against_plain` (``where``: "lr 0.001"...)."""
   head = [label for _, label in LOSSES] + ["steps to target"]
   rows = [
-    f"Against plain, lr {lr:g}: method minus plain, paired by seed, mean "
+    f"Against plain, {where}: method minus plain, paired by seed, mean "
     f"[95% t interval] (positive: higher loss, or more steps, than plain).",
     "",
     "| method | seeds | " + " | ".join(head) + " |",
@@ -200,6 +200,39 @@ def table(comparison: dict, lr: float) -> str:
       cells.append(_cell(row["steps_to_target"], ".0f"))
     rows.append(f"| {m} | {len(row['seeds'])} | " + " | ".join(cells) + " |")
   return "\n".join(rows)
+
+
+def best_lrs(by_lr: dict) -> dict:
+  """Each method's best learning rate: its lowest final held-out loss,
+  mean over seeds (the final smoothed training loss where there is no
+  held-out); rates where it diverged on a seed are out.
+
+  ``by_lr``: lr -> seed -> method -> (``Run``, summary), as for
+  :func:`against_plain`. Returns method -> lr, for methods with one.
+  """
+  means = {}
+  for lr, per_seed in by_lr.items():
+    for m in next(iter(per_seed.values())):
+      if any(m not in runs for runs in per_seed.values()):
+        continue
+      pairs = [runs[m] for runs in per_seed.values()]
+      if any(r.diverged_at is not None for r, _ in pairs):
+        continue
+      key = "final_heldout_loss"
+      if any(summary.get(key) is None for _, summary in pairs):
+        key = "final_smoothed_train_loss"
+      means.setdefault(m, {})[lr] = float(np.mean([s[key] for _, s in pairs]))
+  return {m: min(by, key=by.get) for m, by in means.items()}
+
+
+def tuned(by_lr: dict) -> tuple[dict, dict]:
+  """Each method at its :func:`best_lrs` rate: (method -> lr, seed ->
+  method -> (``Run``, summary)) over the seeds every chosen rate has.
+  """
+  best = best_lrs(by_lr)
+  seeds = set.intersection(*(set(by_lr[lr]) for lr in best.values()))
+  runs = {s: {m: by_lr[lr][s][m] for m, lr in best.items()} for s in seeds}
+  return best, dict(sorted(runs.items()))
 
 
 def legend(unit: str, target: float | None) -> str:
