@@ -230,6 +230,8 @@ def tuned(by_lr: dict) -> tuple[dict, dict]:
   method -> (``Run``, summary)) over the seeds every chosen rate has.
   """
   best = best_lrs(by_lr)
+  if not best:  # Every method diverged at every rate.
+    return best, {}
   seeds = set.intersection(*(set(by_lr[lr]) for lr in best.values()))
   runs = {s: {m: by_lr[lr][s][m] for m, lr in best.items()} for s in seeds}
   return best, dict(sorted(runs.items()))
