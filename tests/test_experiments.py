@@ -556,10 +556,19 @@ def test_split_runs_merge_into_the_joint_run(tmp_path):
   assert {key(r): r["losses"] for r in result["runs"]} == {
     key(r): r["losses"] for r in together["runs"]
   }
-  assert (
-    result["mode_sweep"][str(result["settings"]["lr"])]["verdict"]
-    == together["mode_sweep"][str(together["settings"]["lr"])]["verdict"]
+  # The joint run's report, read back as the merge reads (each step's
+  # loss to report.LOSS_DIGITS digits), is the merged report.
+  joint_read, joint_m = _run(
+    tmp_path,
+    "--merge",
+    str(joint_out / "results.json"),
+    name="jm",
+    devices=None,
   )
+  assert joint_read.returncode == 0, joint_read.stderr[-3000:]
+  joint_result = json.loads((joint_m / "results.json").read_text())
+  for key in ("mode_sweep", "against_plain"):
+    assert result[key] == joint_result[key], key
   # A method trained twice is refused.
   again, _ = _run(
     tmp_path,

@@ -1,20 +1,21 @@
 """``python -m immgrad.experiments``: does updated backprop train faster?
 
 Trains one task plain, ``current`` and ``updated`` (or a sweep of
-``mode=a``) from the same initialisation and data order, data parallel, and
-writes a results table, ``results.json`` and plots to ``--out``
-(``--help``; docs/faster.md, docs/between-modes.md).
+``mode=a``) from the same initialisation and data order, data parallel;
+prints each method against plain (paired by seed, 95% t intervals) and
+writes ``results.json`` and figures to ``--out`` (``--help``;
+docs/faster.md, docs/between-modes.md, docs/results/lm.md).
 """
 
 import argparse
 import datetime
-import json
 import os
 import sys
 
 import jax
 
 from immgrad.experiments import report
+from immgrad.experiments import stats
 from immgrad.experiments import tasks as tasks_lib
 from immgrad.experiments import train as train_lib
 
@@ -151,7 +152,8 @@ def parse(argv):
     default=None,
     help="target loss for steps/seconds to target (default: "
     "the highest final smoothed training loss of the "
-    "methods, which all of them reach)",
+    "methods, which all of them reach; against plain, the "
+    "higher of the method's and plain's on each seed)",
   )
   p.add_argument("--eval-every", type=int, default=None)
   p.add_argument(
@@ -387,10 +389,7 @@ def _command(args, settings: dict) -> str:
 
 def _load(args):
   """``--merge``: the runs of several results.json, as if run together."""
-  loaded = []
-  for path in args.merge:
-    with open(path) as f:
-      loaded.append(json.load(f))
+  loaded = [report.read_json(path) for path in args.merge]
   first = loaded[0]
   for path, other in zip(args.merge, loaded):
     for key in ("task", "loss_unit"):
@@ -513,6 +512,7 @@ def _report(args, run, info, out):
   settings, unit, name = info["settings"], info["loss_unit"], info["name"]
   lr, steps, methods = settings["lr"], settings["steps"], settings["methods"]
   records, sanity, aggregates, summaries, lags = [], [], {}, {}, {}
+  by_seed = {}  # lr -> seed -> method -> (Run, summary), where plain ran.
   for (run_lr, seed), runs in sorted(run.items()):
     per_method = summaries.setdefault(run_lr, {m: [] for m in methods})
     target = args.target or report.default_target(runs, steps)
@@ -520,6 +520,11 @@ def _report(args, run, info, out):
       summary = report.summarise(r, runs.get("plain"), steps, target)
       summary["target"] = target
       per_method[method].append(summary)
+      if "plain" in runs:
+        by_seed.setdefault(run_lr, {}).setdefault(seed, {})[method] = (
+          r,
+          summary,
+        )
       if "plain" in runs and method != "plain":
         lags.setdefault(run_lr, {}).setdefault(method, []).append(
           report.steps_behind(r.losses, runs["plain"].losses, steps)
@@ -534,9 +539,7 @@ def _report(args, run, info, out):
         summary=summary,
       )
       if r.dx_change is not None:
-        record["dx_change"] = {
-          k: [float(f"{v:.4g}") for v in vs] for k, vs in r.dx_change.items()
-        }
+        record["dx_change"] = r.dx_change
         summary["dx"] = report.dx_summary(r.dx_change, r.diverged_at)
       records.append(record)
     if "plain" in runs and report.reference_method(runs) in runs:
@@ -579,6 +582,28 @@ def _report(args, run, info, out):
     )
   if lags.get(lr):
     text += ["", report.lag_table(lags[lr], steps)]
+  against = {
+    lr_value: stats.against_plain(per_seed, steps, args.target)
+    for lr_value, per_seed in sorted(by_seed.items())
+  }
+  for lr_value, comparison in against.items():
+    text += ["", stats.table(comparison, f"lr {lr_value:g}")]
+  tuned = None
+  if len(by_seed) > 1:
+    best, per_seed = stats.tuned(by_seed)
+    if "plain" in best and per_seed:
+      tuned = dict(
+        best_lr=best,
+        comparison=stats.against_plain(per_seed, steps, args.target),
+      )
+      where = (
+        "each at its own best lr ("
+        + ", ".join(f"{m} {v:g}" for m, v in best.items())
+        + "; best: lowest final held-out loss, mean over seeds)"
+      )
+      text += ["", stats.table(tuned["comparison"], where)]
+  if against:
+    text += ["", stats.legend(unit, args.target)]
   sweep = None
   if settings["lr_sweep"]:
     sweep = _sweep(aggregates, methods)
@@ -614,7 +639,9 @@ def _report(args, run, info, out):
         str(k): dict(at_steps=report.lag_steps(steps), per_seed=v)
         for k, v in lags.items()
       },
-      runs=records,
+      against_plain={str(k): v for k, v in against.items()},
+      against_plain_tuned=tuned,
+      runs=[report.rounded_run(r) for r in records],
     ),
   )
   report.plot(
@@ -625,6 +652,13 @@ def _report(args, run, info, out):
     f"{name}: {settings['optimizer']} lr {lr:g}, seeds {settings['seeds']}",
   )
   written = ["results.json", "loss_curves.png"]
+  written += _study_figures(
+    out,
+    records,
+    against,
+    unit,
+    f"{name}: {settings['optimizer']}, seeds {settings['seeds']}",
+  )
   if settings["measure_dx"]:
     report.plot_dx(
       os.path.join(out, "dx_change.png"),
@@ -634,6 +668,32 @@ def _report(args, run, info, out):
     written.append("dx_change.png")
   print(f"\nwrote {', '.join(f'{out}/{w}' for w in written)}")
   return 0 if passed else 1
+
+
+def _study_figures(out, records, against, unit, title) -> list[str]:
+  """Held-out curves, held-out loss against lr (several lrs) and steps to
+  target (where plain ran): the files written.
+  """
+  written = []
+  if any(report.heldout(r)[1] for r in records):
+    report.plot_heldout(
+      os.path.join(out, "heldout_curves.png"), records, unit, title
+    )
+    written.append("heldout_curves.png")
+    if len({r["lr"] for r in records}) > 1:
+      report.plot_against_lr(
+        os.path.join(out, "heldout_against_lr.png"),
+        stats.against_lr(records),
+        unit,
+        title,
+      )
+      written.append("heldout_against_lr.png")
+  if any(against.values()):
+    report.plot_steps_to_target(
+      os.path.join(out, "steps_to_target.png"), against, title
+    )
+    written.append("steps_to_target.png")
+  return written
 
 
 def _mode_sweep(summaries, lr, sweep, methods, name, optimizer, unit):

@@ -3,10 +3,12 @@
 The terms of its tables are defined in ``DEFINITIONS``, printed under them.
 """
 
+import gzip
 import json
 import math
 import os
 import platform
+import re
 from typing import Any
 
 import haiku
@@ -277,9 +279,58 @@ def machine() -> dict:
   }
 
 
+# Significant digits kept of each step's loss, time and dX change: the
+# reports print at most 4 (of a mean over many steps).
+LOSS_DIGITS, SECONDS_DIGITS, DX_DIGITS = 5, 5, 4
+
+
+def _rounded(values: list, digits: int) -> list:
+  return [float(f"{v:.{digits}g}") for v in values]
+
+
+def rounded_run(record: dict) -> dict:
+  """A ``runs`` entry of results.json with its per-step figures rounded
+  to ``LOSS_DIGITS``, ``SECONDS_DIGITS`` and ``DX_DIGITS`` significant
+  digits (the evaluations, a few a run, and the summaries keep theirs).
+
+  >>> rounded_run({"losses": [2.718281828], "seconds": [0.0261234567]})
+  {'losses': [2.7183], 'seconds': [0.026123]}
+  """
+  out = dict(
+    record,
+    losses=_rounded(record["losses"], LOSS_DIGITS),
+    seconds=_rounded(record["seconds"], SECONDS_DIGITS),
+  )
+  if record.get("dx_change") is not None:
+    out["dx_change"] = {
+      k: _rounded(v, DX_DIGITS) for k, v in record["dx_change"].items()
+    }
+  return out
+
+
 def write_json(path: str, payload: dict) -> None:
-  with open(path, "w") as f:
-    json.dump(payload, f, indent=1, default=float)
+  """``payload`` as JSON, each list of numbers on one line; gzip-compressed
+  (and the same bytes for the same payload) where ``path`` ends in .gz.
+  """
+  text = json.dumps(payload, indent=1, default=float)
+  text = re.sub(
+    r"\[\s+([^\[\]{}\"]*?)\s+\]",
+    lambda m: "[" + re.sub(r",\s+", ",", m.group(1)) + "]",
+    text,
+  )
+  if path.endswith(".gz"):  # No name or time in the header: same bytes.
+    with open(path, "wb") as f:
+      with gzip.GzipFile("", "wb", fileobj=f, mtime=0) as z:
+        z.write(text.encode())
+  else:
+    with open(path, "w") as f:
+      f.write(text)
+
+
+def read_json(path: str) -> dict:
+  """What :func:`write_json` wrote (gzip-compressed or not)."""
+  with (gzip.open if str(path).endswith(".gz") else open)(path, "rt") as f:
+    return json.load(f)
 
 
 def plot(
@@ -516,8 +567,6 @@ def mode_table(per_method: dict, unit: str, title: str) -> tuple[str, dict]:
 
 def natural_key(name: str):
   """Sorts ``linear_2`` before ``linear_10`` (Haiku's creation order)."""
-  import re
-
   return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
 
 
@@ -645,4 +694,167 @@ def plot_dx(path: str, records: list[dict], title: str) -> None:
   )
   fig.tight_layout()
   fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+# -- the study's figures: held-out loss with seed bands, against lr, steps --
+
+
+def _pyplot():
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  return plt
+
+
+def heldout(record: dict) -> tuple[list, list]:
+  """A run's held-out evaluations after step 0: steps, losses."""
+  evals = [e for e in record["evals"] if e["step"] > 0 and "heldout_loss" in e]
+  return [e["step"] for e in evals], [e["heldout_loss"] for e in evals]
+
+
+def plot_heldout(path: str, records: list[dict], unit: str, title: str) -> None:
+  """Held-out loss against step, one panel per lr: per method the mean
+  over seeds (line) and the lowest to highest seed (band); linear axis.
+  """
+  plt = _pyplot()
+  lrs = sorted({r["lr"] for r in records})
+  colors = _colors([r["method"] for r in records])
+  fig, axes = plt.subplots(
+    1,
+    len(lrs),
+    squeeze=False,
+    sharey=True,
+    figsize=(max(6.5, 4.6 * len(lrs) + 1), 4.3),
+  )
+  for ax, lr in zip(axes[0], lrs):
+    for method in colors:
+      by_step = {}
+      for r in records:
+        if r["lr"] == lr and r["method"] == method:
+          for step, loss in zip(*heldout(r)):
+            by_step.setdefault(step, []).append(loss)
+      if not by_step:
+        continue
+      x = sorted(by_step)
+      values = [np.asarray(by_step[s], np.float64) for s in x]
+      style = dict(color=colors[method])
+      ax.plot(x, [v.mean() for v in values], label=method, lw=1.4, **style)
+      ax.fill_between(
+        x,
+        [v.min() for v in values],
+        [v.max() for v in values],
+        alpha=0.2,
+        **style,
+      )
+    ax.set_title(f"lr {lr:g}", fontsize=9)
+    ax.set_xlabel("step")
+    ax.grid(True, alpha=0.3)
+  axes[0][0].set_ylabel(f"held-out loss ({unit})")
+  axes[0][0].legend(fontsize=8)
+  fig.suptitle(
+    f"{title}\nline: mean over seeds, band: lowest to highest seed", fontsize=9
+  )
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def plot_against_lr(path: str, points: dict, unit: str, title: str) -> None:
+  """Final held-out loss against learning rate, a line per method;
+  ``points``: method -> (lr, mean, half width) (``stats.against_lr``).
+  """
+  plt = _pyplot()
+  colors = _colors(points)
+  fig, ax = plt.subplots(figsize=(6.5, 4.2))
+  for i, (method, rows) in enumerate(points.items()):
+    if not rows:
+      continue
+    lrs, means, halves = zip(*rows)
+    ax.errorbar(
+      # Each method a little to the side, so that the bars do not cover.
+      [lr * 1.02 ** (i - len(points) / 2) for lr in lrs],
+      means,
+      yerr=halves,
+      marker="o",
+      capsize=3,
+      color=colors[method],
+      label=method,
+      ls="--" if method in ("current", "a=0") else "-",
+    )
+  ax.set_xscale("log")
+  ax.set_xlabel("peak learning rate")
+  ax.set_ylabel(f"final held-out loss ({unit})")
+  ax.grid(True, alpha=0.3)
+  ax.legend(fontsize=8)
+  ax.set_title(
+    f"{title}\nmean over seeds, bars: its 95% t interval", fontsize=9
+  )
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def plot_steps_to_target(path: str, against: dict, title: str) -> None:
+  """Steps to target, method minus plain (``stats.against_plain`` per lr):
+  a dot per seed, the mean with its 95% t interval; a method that
+  diverged, or a seed that never reached the target, is named, not drawn.
+  """
+  plt = _pyplot()
+  lrs = [lr for lr in sorted(against) if against[lr]]
+  fig, axes = plt.subplots(
+    1,
+    len(lrs),
+    squeeze=False,
+    sharey=True,
+    figsize=(max(6.5, 3.6 * len(lrs) + 1), 4.3),
+  )
+  for ax, lr in zip(axes[0], lrs):
+    methods = list(against[lr])
+    colors = _colors(["plain", *methods])
+    for i, method in enumerate(methods):
+      row = against[lr][method]
+      figure = row.get("steps_to_target", {})
+      if "diverged" in row or not figure.get("n"):
+        why = "diverged" if "diverged" in row else "never"
+        ax.annotate(why, (i, 0), ha="center", fontsize=7, rotation=90)
+        continue
+      ax.plot(
+        [i] * figure["n"],
+        figure["differences"],
+        "o",
+        ms=4,
+        alpha=0.6,
+        color=colors[method],
+      )
+      if figure["low"] is not None:
+        ax.errorbar(
+          [i + 0.15],
+          [figure["mean"]],
+          yerr=[
+            [figure["mean"] - figure["low"]],
+            [figure["high"] - figure["mean"]],
+          ],
+          fmt="s",
+          capsize=3,
+          color=colors[method],
+        )
+      if figure["never"]:
+        ax.annotate(
+          f"never: seeds {figure['never']}", (i, figure["mean"]), fontsize=6
+        )
+    ax.axhline(0, color="gray", lw=0.8)
+    ax.set_xticks(range(len(methods)), methods, fontsize=8)
+    ax.set_xlim(-0.6, len(methods) - 0.4)
+    ax.set_title(f"lr {lr:g}", fontsize=9)
+    ax.grid(True, axis="y", alpha=0.3)
+  axes[0][0].set_ylabel("steps to target, method minus plain")
+  fig.suptitle(
+    f"{title}\ndots: seeds; square and bar: their mean and its 95% t interval",
+    fontsize=9,
+  )
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
   plt.close(fig)

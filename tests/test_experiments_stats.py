@@ -1,0 +1,289 @@
+"""The study's statistics and figures (``immgrad.experiments.stats``,
+``--merge``), on tiny synthetic runs whose answers are worked out by hand.
+"""
+
+import contextlib
+import gzip
+import io
+import json
+import math
+import time
+
+import pytest
+
+from immgrad.experiments import __main__ as runner
+from immgrad.experiments import report
+from immgrad.experiments import stats
+from immgrad.experiments import train
+
+# Student t's 0.975 quantiles: dof 1 and 2 in closed form (tan(0.475 pi);
+# 0.95 sqrt(2 / (1 - 0.95^2))), the rest from printed tables (Abramowitz
+# and Stegun table 26.10, to the 6 digits given there).
+T975 = {
+  1: math.tan(0.475 * math.pi),
+  2: 0.95 * math.sqrt(2 / (1 - 0.95**2)),
+  3: 3.182446,
+  4: 2.776445,
+  5: 2.570582,
+  10: 2.228139,
+  19: 2.093024,
+  30: 2.042272,
+}
+
+
+@pytest.mark.parametrize("dof", sorted(T975))
+def test_t_quantile_is_students(dof):
+  # 5e-7: the tables' rounding (6 decimals); the closed forms agree to 1e-9.
+  assert stats.t_quantile(0.975, dof) == pytest.approx(T975[dof], abs=5e-7)
+
+
+def test_t_quantile_matches_scipy_for_every_small_dof():
+  scipy_stats = pytest.importorskip("scipy.stats")
+  for dof in range(1, 31):
+    for q in (0.9, 0.975, 0.995):
+      # Bisection to float resolution: 1e-9 relative.
+      assert stats.t_quantile(q, dof) == pytest.approx(
+        scipy_stats.t.ppf(q, dof), rel=1e-9
+      )
+
+
+# Synthetic runs of 20 steps (smoothing window 2). Plain's loss on step i
+# (from 1) is 21 - i, so its smoothed loss at step i >= 2 is 21.5 - i and
+# ends at 1.5. a=1 is plain shifted up by c (seed 0: 1, seed 1: 2, seed 2:
+# 4): it ends at 1.5 + c, the higher final, so that is the target, which
+# plain reaches at step 20 - c and a=1 at step 20: a=1 needs c more steps.
+# Differences 1, 2, 4: mean 7/3, sd sqrt((16 + 1 + 25) / 9 / 2) =
+# sqrt(7/3) = 1.527525, interval 7/3 +- 4.302653 x 1.527525 / sqrt(3) =
+# 7/3 +- 3.794583: [-1.461250, 6.127916]. The final smoothed training
+# losses differ by the same c. Held-out: plain ends at 2.0, a=1 at 2.1,
+# 2.2, 2.3 (differences 0.1, 0.2, 0.3: mean 0.2, sd 0.1, 0.2 +-
+# 4.302653 x 0.1 / sqrt(3) = 0.2 +- 0.248414); a=1's best held-out, 1.9
+# at step 10, is 0.1 below plain's best (its final 2.0) on every seed: sd
+# 0, an interval of width 0.
+STEPS, SHIFT, HELDOUT = 20, {0: 1.0, 1: 2.0, 2: 4.0}, {0: 0.1, 1: 0.2, 2: 0.3}
+PLAIN = [21.0 - i for i in range(1, STEPS + 1)]
+
+
+def _runs(seed):
+  plain = train.Run(
+    "plain",
+    losses=PLAIN,
+    seconds=[1.0] * STEPS,
+    evals=[
+      {"step": 0, "heldout_loss": 5.0},
+      {"step": 10, "heldout_loss": 3.0},
+      {"step": 20, "heldout_loss": 2.0},
+    ],
+  )
+  a1 = train.Run(
+    "a=1",
+    losses=[x + SHIFT[seed] for x in PLAIN],
+    seconds=[1.0] * STEPS,
+    evals=[
+      {"step": 0, "heldout_loss": 5.0},
+      {"step": 10, "heldout_loss": 1.9},
+      {"step": 20, "heldout_loss": 2.0 + HELDOUT[seed]},
+    ],
+  )
+  return {"plain": plain, "a=1": a1}
+
+
+def _by_seed(runs_of=_runs):
+  out = {}
+  for seed in SHIFT:
+    runs = runs_of(seed)
+    out[seed] = {
+      m: (r, report.summarise(r, runs["plain"], STEPS, None))
+      for m, r in runs.items()
+    }
+  return out
+
+
+def test_against_plain_pairs_seeds_with_t_intervals():
+  row = stats.against_plain(_by_seed(), STEPS, None)["a=1"]
+  steps = row["steps_to_target"]
+  assert steps["differences"] == [1.0, 2.0, 4.0]
+  assert [steps["per_seed"][s]["plain"] for s in SHIFT] == [19, 18, 16]
+  assert steps["mean"] == pytest.approx(7 / 3)
+  assert steps["sd"] == pytest.approx(math.sqrt(7 / 3))
+  # 1e-6: the hand computation's 7 digits.
+  assert steps["low"] == pytest.approx(-1.461250, abs=1e-6)
+  assert steps["high"] == pytest.approx(6.127916, abs=1e-6)
+  assert steps["never"] == []
+  train_loss = row["final_smoothed_train_loss"]
+  assert train_loss["differences"] == pytest.approx([1.0, 2.0, 4.0])
+  held = row["final_heldout_loss"]
+  assert held["mean"] == pytest.approx(0.2)
+  assert held["low"] == pytest.approx(0.2 - 0.248414, abs=1e-6)
+  assert held["high"] == pytest.approx(0.2 + 0.248414, abs=1e-6)
+  best = row["best_heldout_loss"]
+  assert best["mean"] == pytest.approx(-0.1)
+  assert best["high"] - best["low"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_a_fixed_target_never_reached_is_reported_not_dropped():
+  # Target 1.8: plain's smoothed loss 21.5 - i reaches it at step 20; a=1
+  # (at least 1 higher) never does, on any seed.
+  row = stats.against_plain(_by_seed(), STEPS, 1.8)["a=1"]
+  steps = row["steps_to_target"]
+  assert steps["n"] == 0 and steps["never"] == [0, 1, 2]
+  assert [steps["per_seed"][s] for s in SHIFT] == [
+    {"target": 1.8, "method": None, "plain": 20}
+  ] * 3
+  table = stats.table({"a=1": row}, "lr 0.1")
+  assert "| a=1 | 3 |" in table and table.rstrip().endswith("| - |")
+
+
+def test_a_diverged_run_is_named_with_its_seeds():
+  def diverging(seed):
+    runs = _runs(seed)
+    if seed == 1:
+      runs["a=1"].losses = runs["a=1"].losses[:5] + [math.nan]
+      runs["a=1"].diverged_at = 6
+    return runs
+
+  row = stats.against_plain(_by_seed(diverging), STEPS, None)["a=1"]
+  assert row["diverged"] == {"a=1": [1]} and "final_heldout_loss" not in row
+  assert "a=1 diverged on seeds [1] |" in stats.table({"a=1": row}, "lr 0.1")
+
+
+def _results_json(path, lr, methods=("plain", "a=1")):
+  """A results.json as the runner writes one, with ``_runs``' runs at lr."""
+  records = []
+  for seed in SHIFT:
+    for method, r in _runs(seed).items():
+      if method in methods:
+        records.append(
+          dict(
+            lr=lr,
+            seed=seed,
+            method=method,
+            losses=r.losses,
+            seconds=r.seconds,
+            evals=r.evals,
+            summary={"diverged_at": None, "compile_seconds": 1.0},
+          )
+        )
+  settings = dict(
+    task="synthetic",
+    optimizer="sgd",
+    lr=lr,
+    steps=STEPS,
+    batch_size=4,
+    devices=1,
+    seeds=list(SHIFT),
+    lrs=[lr],
+    eval_every=10,
+    target=None,
+    quick=False,
+    modes=[0.0, 1.0],
+    methods=list(methods),
+    measure_dx=False,
+    lr_sweep=False,
+  )
+  report.write_json(
+    str(path),
+    dict(
+      settings=settings,
+      task="synthetic runs",
+      loss_unit="nats",
+      machine={},
+      runs=records,
+    ),
+  )
+  return str(path)
+
+
+def test_merge_prints_and_writes_the_paired_table_and_figures(tmp_path):
+  pytest.importorskip("matplotlib")
+  files = [
+    _results_json(tmp_path / "a.json", 0.1),
+    _results_json(tmp_path / "b.json.gz", 0.2),  # Read compressed too.
+  ]
+  out = tmp_path / "merged"
+  stdout = io.StringIO()
+  with contextlib.redirect_stdout(stdout):
+    runner.main(["--merge", *files, "--lr", "0.1", "--out", str(out)])
+  printed = stdout.getvalue()
+  # The hand numbers above, as the table prints them (4 digits).
+  assert (
+    "| a=1 | 3 | +2.333 [-1.461, +6.128] | +0.2 [-0.04841, +0.4484] | "
+    "-0.1 [-0.1, -0.1] | +2 [-1, +6] |" in printed
+  )
+  assert "Against plain, lr 0.2" in printed and stats.TARGET_RULE in printed
+  # Both rates alike: each method's best is the first, 0.1.
+  assert "each at its own best lr (plain 0.1, a=1 0.1;" in printed
+  merged = report.read_json(str(out / "results.json"))
+  steps = merged["against_plain"]["0.1"]["a=1"]["steps_to_target"]
+  assert merged["against_plain_tuned"]["best_lr"] == {"plain": 0.1, "a=1": 0.1}
+  assert steps["differences"] == [1.0, 2.0, 4.0]
+  for name in ("heldout_curves", "heldout_against_lr", "steps_to_target"):
+    assert (out / f"{name}.png").stat().st_size > 10_000, name
+
+
+def test_write_json_rounds_nothing_and_puts_number_lists_on_one_line(
+  tmp_path, monkeypatch
+):
+  payload = {"a": [1.25, 2.0, None], "b": {"c": ["x", "y"]}}
+  report.write_json(str(tmp_path / "r.json"), payload)
+  text = (tmp_path / "r.json").read_text()
+  assert '"a": [1.25,2.0,null]' in text and json.loads(text) == payload
+  # The same bytes each time, whatever the time (gzip records it unless
+  # told not to).
+  report.write_json(str(tmp_path / "1.json.gz"), payload)
+  monkeypatch.setattr(time, "time", lambda: 2e9)
+  report.write_json(str(tmp_path / "2.json.gz"), payload)
+  first = (tmp_path / "1.json.gz").read_bytes()
+  assert first == (tmp_path / "2.json.gz").read_bytes()
+  assert json.loads(gzip.decompress(first)) == payload
+  assert report.read_json(str(tmp_path / "1.json.gz")) == payload
+
+
+def test_heldout_against_lr_is_the_seed_mean_with_its_t_interval():
+  records = [
+    dict(
+      lr=lr, seed=seed, method=m, evals=r.evals, summary={"diverged_at": None}
+    )
+    for lr in (0.1, 0.2)
+    for seed in SHIFT
+    for m, r in _runs(seed).items()
+  ]
+  records[-1]["summary"] = {"diverged_at": 3}  # lr 0.2, seed 2, a=1: out.
+  points = stats.against_lr(records)
+  assert points["plain"] == [(0.1, 2.0, 0.0), (0.2, 2.0, 0.0)]
+  (lr, mean, half), (lr2, mean2, half2) = points["a=1"]
+  # Held-out 2.1, 2.2, 2.3: 2.2 +- 0.248414 (above); at 0.2 seeds 0 and
+  # 1 only: 2.15 +- t(0.975, 1) x 0.070711 / sqrt(2) = 2.15 +- 0.635310.
+  assert (lr, lr2) == (0.1, 0.2)
+  assert mean == pytest.approx(2.2) and half == pytest.approx(
+    0.248414, abs=1e-6
+  )
+  assert mean2 == pytest.approx(2.15) and half2 == pytest.approx(
+    0.635310, abs=1e-6
+  )
+
+
+def test_each_method_at_its_own_best_lr_pairs_across_rates():
+  # At lr 0.2 plain ends 0.1 higher in held-out loss (2.1) and a=1 0.25
+  # lower (1.85, 1.95, 2.05: mean 1.95, below its 2.2 at 0.1): plain's
+  # best lr is 0.1, a=1's 0.2. Paired by seed: 1.85, 1.95, 2.05 minus
+  # plain's 2.0 at 0.1: -0.15, -0.05, +0.05, mean -0.05, sd 0.1, interval
+  # -0.05 +- 0.248414 (as above).
+  def at_02(seed):
+    runs = _runs(seed)
+    runs["plain"].evals = runs["plain"].evals[:2] + [
+      {"step": 20, "heldout_loss": 2.1}
+    ]
+    runs["a=1"].evals = runs["a=1"].evals[:2] + [
+      {"step": 20, "heldout_loss": 1.75 + HELDOUT[seed]}
+    ]
+    return runs
+
+  by_lr = {0.1: _by_seed(), 0.2: _by_seed(at_02)}
+  best, per_seed = stats.tuned(by_lr)
+  assert best == {"plain": 0.1, "a=1": 0.2}
+  assert list(per_seed) == [0, 1, 2]
+  held = stats.against_plain(per_seed, STEPS, None)["a=1"]["final_heldout_loss"]
+  assert held["differences"] == pytest.approx([-0.15, -0.05, 0.05])
+  assert held["low"] == pytest.approx(-0.05 - 0.248414, abs=1e-6)
+  assert held["high"] == pytest.approx(-0.05 + 0.248414, abs=1e-6)
