@@ -12,6 +12,7 @@ reported by the suite, not a promise of ours.)
 import json
 
 import jax
+import numpy as np
 import optax
 import pytest
 
@@ -379,3 +380,24 @@ def test_compiling_for_the_tpu_records_each_method_compiled_alike(
     .compile()
   )
   assert measure.hlo_counts(compiled.as_text())["conditional"] > 0
+
+
+def test_data_parallel_estimate_arithmetic():
+  """``benchmarks.dp_estimate`` on a 2x2 slice, worked by hand: a
+  collective takes 2 * (1 + 1) = 4 steps on the 2D torus and
+  2 * (4 - 1) = 6 in one ring, and moves 2 * 3 / 4 of its bytes at the
+  algorithm's bandwidth. Modules group a Haiku params dict's leaves.
+  """
+  from benchmarks import dp_estimate as dp
+
+  params = {
+    "linear": {"w": np.zeros((2, 3)), "b": np.zeros(3)},
+    "layer_norm": {"scale": np.zeros(4)},
+  }
+  sizes = dp.collectives(params, itemsize=2)
+  assert sizes == {"per leaf": [12, 6, 8], "per layer": [18, 8]}
+  torus = dp.exposed_seconds(sizes["per layer"], (2, 2), dp.TORUS, 1e-6)
+  np.testing.assert_allclose(torus, (2 * 4e-6, 1.5 * 26 / 200e9))
+  ring = dp.all_reduce_seconds(1000, (2, 2), dp.RING, 1e-6)
+  np.testing.assert_allclose(ring, (6e-6, 1.5 * 1000 / 50e9))
+  assert dp.TORUS.bandwidth == 51.2e12 / 256 == 4 * dp.RING.bandwidth
