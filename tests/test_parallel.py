@@ -47,14 +47,18 @@ UPDATED_OPTIMIZERS = {
 }
 
 
-def _scanned_problem():
+def _scanned_problem(split=lambda data: data, **reference):
   """mode="updated", adam: the 3 hidden layers stacked under immgrad.scan
-  (its own backward loop), against the sequential reference unrolled.
+  (its own backward loop), against the sequential reference unrolled
+  (``reference``: its ``reduce`` and ``compile_step``; ``split`` places
+  its batches).
   """
   opt = optax.adam(1e-2)
   chain, params = oracles.mlp([6, 16, 16, 16, 16, 3], jax.random.PRNGKey(0))
   data = oracles.batches(jax.random.PRNGKey(1), 3, (16, 6), (16, 3))
-  expected, _ = oracles.sequential_steps(chain, opt, params, data)
+  expected, _ = oracles.sequential_steps(
+    chain, opt, params, split(data), **reference
+  )
   dense = immgrad.immediate_layer(oracles.dense)
 
   def pack(p):
@@ -363,6 +367,7 @@ def _mean_in(dtype):
     ("current", "chain", True),
     ("updated", "chain", False),
     ("updated", "chain", True),
+    ("updated", "scanned", False),
   ],
 )
 def test_reduce_dtype_bfloat16_equals_hand_reduction(mode, model, check_vma):
@@ -371,7 +376,8 @@ def test_reduce_dtype_bfloat16_equals_hand_reduction(mode, model, check_vma):
   gradient of plain training; ``updated``: each layer's dW in the
   sequential re-linearization) cast to bfloat16, averaged by ``lax.pmean``
   and cast back before optax. ``"ordinary too"`` has undecorated
-  parameters, whose gradients immgrad averages after the backward pass.
+  parameters, whose gradients immgrad averages after the backward pass;
+  ``"scanned"`` steps its hidden layers in ``immgrad.scan``'s loop.
   Under ``check_vma=True`` JAX itself sums an undecorated replicated
   parameter's gradient, in its own dtype, so that model runs without it.
   Tolerance ATOL, RTOL as above (XLA may contract a multiply-add in one
@@ -387,6 +393,8 @@ def test_reduce_dtype_bfloat16_equals_hand_reduction(mode, model, check_vma):
       models.loss_fn(immgrad.immediate_layer),
       models.loss_fn(),
     )
+  elif model == "scanned":
+    loss_fn, opt, params, data, _ = _scanned_problem()
   else:
     chain, opt, params, data, _ = _chain(mode, "adam", n_steps=3)
     loss_fn, plain_loss = (
@@ -401,6 +409,10 @@ def test_reduce_dtype_bfloat16_equals_hand_reduction(mode, model, check_vma):
       return oracles.plain_steps(
         plain_loss, opt, params, data, _mean_in(dtype), compile_step
       )[0]
+    if model == "scanned":
+      return _scanned_problem(
+        _split, reduce=_mean_in(dtype), compile_step=compile_step
+      )[4]
     return oracles.sequential_steps(
       chain,
       opt,
