@@ -14,13 +14,23 @@ at once: ``2 * ((nx - 1) + (ny - 1))`` steps at the pod's all-reduce
 bandwidth per chip), and one ring through every chip on one link
 (``2 * (n - 1)`` steps at one link's bandwidth). Prints a markdown table for
 the benchmark's GPT-small transformer (docs/data-parallel.md holds it).
+
+``--compiled`` adds the all-reduces XLA's TPU compiler makes of the step:
+the model's ``updated`` step under ``shard_map`` with ``axis_name``,
+compiled for a v5e 2x4 slice with no chip attached (``libtpu`` on the path,
+as for ``benchmarks.compile_tpu``; minutes)::
+
+  PYTHONPATH=/tmp/libtpu python -m benchmarks.dp_estimate --compiled
 """
 
 import argparse
+import functools
 import json
 import math
 import os
+import re
 from typing import NamedTuple
+from unittest import mock
 
 import numpy as np
 
@@ -94,6 +104,74 @@ def collectives(params: dict, itemsize: int) -> dict:
   }
 
 
+_DTYPE_BYTES = {"f32": 4, "bf16": 2}
+
+
+def compiled_collectives(hlo: str) -> list:
+  """The bytes of each all-reduce in an optimized HLO module's text (a
+  tuple of operands is one all-reduce).
+  """
+  sizes = []
+  for line in hlo.splitlines():
+    found = re.search(r"= (.*?) all-reduce(?:-start)?\(", line)
+    if found:
+      sizes.append(
+        sum(
+          _DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+          for dtype, dims in re.findall(r"(f32|bf16)\[([\d,]*)\]", found[1])
+        )
+      )
+  return sizes
+
+
+def compiled_for_tpu(reduce_dtype=None) -> list:
+  """:func:`compiled_collectives` of GPT-small's ``updated (atomic=False)``
+  step, 1 sequence per chip, on 8 v5e chips (needs ``libtpu``).
+  """
+  os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-8")
+  os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+  import jax
+  from jax.experimental import topologies
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from benchmarks import models
+  import immgrad
+
+  topology = topologies.get_topology_desc(
+    platform="tpu", topology_name="v5e:2x4"
+  )
+  mesh = topologies.make_mesh(topology, (8,), ("d",))
+  grad = functools.partial(
+    immgrad.value_and_grad, axis_name="d", reduce_dtype=reduce_dtype
+  )
+  with mock.patch.object(immgrad, "value_and_grad", grad):
+    (updated,) = models.transformer(
+      batch=8, **GPT_SMALL, methods=("updated (atomic=False)",)
+    )
+  step = jax.jit(
+    jax.shard_map(
+      updated.step,
+      mesh=mesh,
+      in_specs=(P(), P(), P("d"), P("d")),
+      out_specs=P(),
+      check_vma=False,
+    )
+  )
+  place = lambda tree, spec: jax.tree.map(
+    lambda a: jax.ShapeDtypeStruct(
+      a.shape, a.dtype, sharding=NamedSharding(mesh, spec)
+    ),
+    tree,
+  )
+  compiled = step.lower(
+    place(updated.params, P()),
+    place(updated.opt_state, P()),
+    *place(updated.batch, P("d")),
+  ).compile()
+  return compiled_collectives(compiled.as_text())
+
+
 def gpt_small_params() -> dict:
   """The parameters of ``python -m benchmarks``'s GPT-small transformer."""
   from benchmarks import models
@@ -112,10 +190,15 @@ def step_seconds() -> float:
   return models[name]["figures"]["plain"]["median_step_seconds"]
 
 
-def table(params: dict, step: float, latency: float = STEP_LATENCY_S) -> str:
+def table(
+  params: dict,
+  step: float,
+  latency: float = STEP_LATENCY_S,
+  compiled: dict | None = None,
+) -> str:
   """The markdown table of exposed milliseconds and their share of
-  ``step``, for 8 and 256 chips, per leaf and per layer, float32 and
-  bfloat16, under both algorithms.
+  ``step``, for 8 and 256 chips, per leaf and per layer (and ``compiled``:
+  as compiled, by dtype), float32 and bfloat16, under both algorithms.
   """
   rows = [
     "| chips | all-reduces | dtype | MB | 2D torus: latency + bandwidth "
@@ -124,7 +207,10 @@ def table(params: dict, step: float, latency: float = STEP_LATENCY_S) -> str:
   ]
   for chips, shape in SLICES.items():
     for dtype, itemsize in (("float32", 4), ("bfloat16", 2)):
-      for kind, sizes in collectives(params, itemsize).items():
+      kinds = collectives(params, itemsize)
+      if compiled:
+        kinds["as compiled"] = compiled[dtype]
+      for kind, sizes in kinds.items():
         cells = [f"{chips} ({shape[0]}x{shape[1]})", f"{len(sizes)} ({kind})"]
         cells += [dtype, f"{sum(sizes) / 1e6:.0f}"]
         for algorithm in (TORUS, RING):
@@ -151,7 +237,18 @@ def main(argv=None) -> int:
     default=STEP_LATENCY_S * 1e6,
     help="the assumed latency of one step of a collective, microseconds",
   )
+  parser.add_argument(
+    "--compiled",
+    action="store_true",
+    help="add the all-reduces of the step compiled for 8 v5e chips (libtpu)",
+  )
   args = parser.parse_args(argv)
+  compiled = None
+  if args.compiled:
+    compiled = {
+      "float32": compiled_for_tpu(),
+      "bfloat16": compiled_for_tpu("bfloat16"),
+    }
   params = gpt_small_params()
   leaves = [a for m in params.values() for a in m.values()]
   matrices = [
@@ -164,7 +261,7 @@ def main(argv=None) -> int:
     f"{sum(np.size(a) for a in leaves) / 1e6:.1f}M parameters; "
     f"plain step on one v5e chip {step * 1e3:.1f} ms"
   )
-  print(table(params, step, args.latency_us * 1e-6))
+  print(table(params, step, args.latency_us * 1e-6, compiled))
   return 0
 
 

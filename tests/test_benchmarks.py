@@ -401,3 +401,11 @@ def test_data_parallel_estimate_arithmetic():
   ring = dp.all_reduce_seconds(1000, (2, 2), dp.RING, 1e-6)
   np.testing.assert_allclose(ring, (6e-6, 1.5 * 1000 / 50e9))
   assert dp.TORUS.bandwidth == 51.2e12 / 256 == 4 * dp.RING.bandwidth
+  hlo = """
+  %all-reduce.3 = (bf16[1024]{0:T(1024)}, bf16[4,8]{1,0:T(8,128)}) all-reduce(%a, %b), channel_id=1
+  %psum.1 = f32[8,3]{1,0} all-reduce(%dot), channel_id=2
+  %all-reduce-start = f32[] all-reduce-start(%c), channel_id=3
+  %all-reduce-done = f32[] all-reduce-done(%all-reduce-start)
+  %add = f32[8,3]{1,0} add(%psum.1, %psum.1)
+  """
+  assert dp.compiled_collectives(hlo) == [2 * (1024 + 32), 4 * 24, 4]
