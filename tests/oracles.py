@@ -74,13 +74,24 @@ def mlp(sizes, key, act=jax.nn.relu):
   return Chain((dense,) * len(names), tuple(names), acts, mse), params
 
 
-def plain_steps(loss_fn, opt, params, batches):
-  """Ordinary training; returns the params after each step and the losses."""
+def _same(tree):
+  return tree
 
-  @jax.jit
+
+def plain_steps(
+  loss_fn, opt, params, batches, reduce=_same, compile_step=jax.jit
+):
+  """Ordinary training; returns the params after each step and the losses.
+
+  ``reduce(grads)`` is applied to the gradient before the optimizer (a
+  data-parallel average), ``compile_step(step)`` makes the step (``jit``,
+  or ``jit`` of a ``shard_map``).
+  """
+
+  @compile_step
   def step(params, state, *batch):
     loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
-    updates, state = opt.update(grads, state, params)
+    updates, state = opt.update(reduce(grads), state, params)
     return optax.apply_updates(params, updates), state, loss
 
   state = opt.init(params)
@@ -114,7 +125,15 @@ def immediate_steps(loss_fn, opt, params, batches, atomic=True, **kwargs):
 
 
 def sequential_steps(
-  chain: Chain, opt, params, batches, at=1.0, measure=False, penalty=None
+  chain: Chain,
+  opt,
+  params,
+  batches,
+  at=1.0,
+  measure=False,
+  penalty=None,
+  reduce=_same,
+  compile_step=jax.jit,
 ):
   """The hand-written re-linearization reference for ``mode="updated"``.
 
@@ -124,12 +143,14 @@ def sequential_steps(
   ``penalty(layer_params) -> scalar`` (an L2 term), the loss is
   ``chain.loss + sum(penalty(params[name]) for each layer)``, and each
   layer's ``dW`` includes the penalty's gradient at its old weights.
+  ``reduce`` and ``compile_step`` as in :func:`plain_steps` (``reduce``
+  applied to each layer's ``dW``).
   """
 
   def norm(tree):
     return jnp.sqrt(sum(jnp.sum(a**2) for a in jax.tree.leaves(tree)))
 
-  @jax.jit
+  @compile_step
   def step(params, states, x, y):
     inputs, pre = [], []
     h = x
@@ -149,6 +170,7 @@ def sequential_steps(
       (dz,) = act_vjp(dh)
       _, w_vjp = jax.vjp(lambda w, f=fun, x=inputs[i]: f(x, w), params[name])
       (dw,) = w_vjp(dz)
+      dw = reduce(dw)
       if penalty is not None:
         dw = jax.tree.map(jnp.add, dw, jax.grad(penalty)(params[name]))
       updates, new_states[name] = opt.update(dw, states[name], params[name])

@@ -5,7 +5,8 @@ weight used twice, or used both by an immediate layer and ordinarily; a
 weight cast, scaled or sliced before the layer; a layer inside a JAX
 transformation (``vmap`` works, tests/test_vmap.py, but not with mapped
 weights or inside another transformation); a transformation that needs the
-whole gradient tree; a mismatched opt_state; an unbound axis_name; shapes
+whole gradient tree; a mismatched opt_state; an unbound axis_name, a ``reduce_dtype`` that is
+not a floating dtype or comes without an axis; shapes
 that change between steps; and more bad calls of the API.
 """
 
@@ -227,6 +228,11 @@ def test_bad_arguments_are_clear_errors():
     immgrad.value_and_grad(loss_fn, tx, axis_name="batch")(
       PARAMS, tx.init(PARAMS), X
     )
+  for bad in (jnp.int32, bool, "half-ish"):
+    with pytest.raises(ValueError, match=r"reduce_dtype=\.\.\.\): expected"):
+      immgrad.value_and_grad(loss_fn, tx, axis_name="d", reduce_dtype=bad)
+  with pytest.raises(ValueError, match=r"reduce_dtype=bfloat16\) needs an"):
+    immgrad.value_and_grad(loss_fn, tx, reduce_dtype=jnp.bfloat16)
   with pytest.raises(TypeError, match="scalar loss"):
     immgrad.value_and_grad(lambda p, x: affine(x, p), tx)(
       PARAMS, tx.init(PARAMS), X

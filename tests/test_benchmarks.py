@@ -403,3 +403,32 @@ def test_memory_floor_steps_are_adam_steps():
     np.testing.assert_allclose(m, want_state[0].mu, rtol=1e-6, atol=1e-9)
     np.testing.assert_allclose(v, want_state[0].nu, rtol=1e-6, atol=1e-12)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+
+
+def test_data_parallel_estimate_arithmetic():
+  """``benchmarks.dp_estimate`` on a 2x2 slice, worked by hand: a
+  collective takes 2 * (1 + 1) = 4 steps on the 2D torus and
+  2 * (4 - 1) = 6 in one ring, and moves 2 * 3 / 4 of its bytes at the
+  algorithm's bandwidth. Modules group a Haiku params dict's leaves.
+  """
+  from benchmarks import dp_estimate as dp
+
+  params = {
+    "linear": {"w": np.zeros((2, 3)), "b": np.zeros(3)},
+    "layer_norm": {"scale": np.zeros(4)},
+  }
+  sizes = dp.collectives(params, itemsize=2)
+  assert sizes == {"per leaf": [12, 6, 8], "per layer": [18, 8]}
+  torus = dp.exposed_seconds(sizes["per layer"], (2, 2), dp.TORUS, 1e-6)
+  np.testing.assert_allclose(torus, (2 * 4e-6, 1.5 * 26 / 200e9))
+  ring = dp.all_reduce_seconds(1000, (2, 2), dp.RING, 1e-6)
+  np.testing.assert_allclose(ring, (6e-6, 1.5 * 1000 / 50e9))
+  assert dp.TORUS.bandwidth == 51.2e12 / 256 == 4 * dp.RING.bandwidth
+  hlo = """
+  %all-reduce.3 = (bf16[1024]{0:T(1024)}, bf16[4,8]{1,0:T(8,128)}) all-reduce(%a, %b), channel_id=1
+  %psum.1 = f32[8,3]{1,0} all-reduce(%dot), channel_id=2
+  %all-reduce-start = f32[] all-reduce-start(%c), channel_id=3
+  %all-reduce-done = f32[] all-reduce-done(%all-reduce-start)
+  %add = f32[8,3]{1,0} add(%psum.1, %psum.1)
+  """
+  assert dp.compiled_collectives(hlo) == [2 * (1024 + 32), 4 * 24, 4]

@@ -16,6 +16,8 @@ A sum instead of a mean (the shard_map check_vma trap) would be 4x off, and
 a missing mean would leave replicas with different weights.
 """
 
+import re
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -45,14 +47,18 @@ UPDATED_OPTIMIZERS = {
 }
 
 
-def _scanned_problem():
+def _scanned_problem(split=lambda data: data, **reference):
   """mode="updated", adam: the 3 hidden layers stacked under immgrad.scan
-  (its own backward loop), against the sequential reference unrolled.
+  (its own backward loop), against the sequential reference unrolled
+  (``reference``: its ``reduce`` and ``compile_step``; ``split`` places
+  its batches).
   """
   opt = optax.adam(1e-2)
   chain, params = oracles.mlp([6, 16, 16, 16, 16, 3], jax.random.PRNGKey(0))
   data = oracles.batches(jax.random.PRNGKey(1), 3, (16, 6), (16, 3))
-  expected, _ = oracles.sequential_steps(chain, opt, params, data)
+  expected, _ = oracles.sequential_steps(
+    chain, opt, params, split(data), **reference
+  )
   dense = immgrad.immediate_layer(oracles.dense)
 
   def pack(p):
@@ -98,10 +104,10 @@ def _problem(mode, updated_opt="adam"):
   return chain.loss_fn(immgrad.immediate_layer), opt, params, data, expected
 
 
-def _step(loss_fn, tx, mode, axis_name):
+def _step(loss_fn, tx, mode, axis_name, **options):
   def step(params, state, *batch):
     _, grads = immgrad.value_and_grad(
-      loss_fn, tx, mode=mode, axis_name=axis_name
+      loss_fn, tx, mode=mode, axis_name=axis_name, **options
     )(params, state, *batch)
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
@@ -223,3 +229,209 @@ def test_fsdp_sharded_stack_keeps_its_sharding():
     ]
     moments = [adam.mu["blocks"][name], adam.nu["blocks"][name]]
     assert moments and all(same(m) for m in moments), moments
+
+
+# -- How each layer's gradient is reduced ----------------------------------
+
+# XLA's passes that merge independent all-reduces into one (CPU's own and
+# the generic one): turned off, each parameter leaf keeps its own.
+COMBINERS = "cpu-all-reduce-combiner,all-reduce-combiner"
+OPTIMIZERS = {"sgd": lambda: optax.sgd(0.1), "adam": lambda: optax.adam(1e-2)}
+
+
+def _all_reduces(compiled) -> int:
+  return len(re.findall(r" all-reduce(?:-start)?\(", compiled.as_text()))
+
+
+def _xla_merges_all_reduces() -> bool:
+  """Whether this XLA's CPU compiler merges two independent all-reduces
+  into one (jaxlib 0.10's does; 0.7.0's keeps each).
+  """
+  merged = jax.jit(
+    jax.shard_map(
+      lambda a, b: jax.lax.psum((a, b), "d"),
+      mesh=_mesh(),
+      in_specs=P("d"),
+      out_specs=P(),
+    )
+  )
+  x = jax.ShapeDtypeStruct(
+    (DEVICES,), jnp.float32, sharding=NamedSharding(_mesh(), P("d"))
+  )
+  return _all_reduces(merged.lower(x, x).compile()) == 1
+
+
+def _mesh():
+  return jax.make_mesh((DEVICES,), ("d",))
+
+
+def _split(data):
+  """The batches, each split over the 4 devices."""
+  return jax.tree.map(
+    lambda a: jax.device_put(a, NamedSharding(_mesh(), P("d"))), data
+  )
+
+
+def _mesh_step(check_vma=False, batch_args=2):
+  """Makes ``fun(params, state, *batch)`` a ``jit`` of a ``shard_map`` over
+  4 devices, the batch split; per-device outputs (a loss) come back as
+  device 0's (unchecked with ``check_vma=False``).
+  """
+  mesh = _mesh()
+  return lambda fun: jax.jit(
+    jax.shard_map(
+      fun,
+      mesh=mesh,
+      in_specs=(P(), P()) + (P("d"),) * batch_args,
+      out_specs=P(),
+      check_vma=check_vma,
+    )
+  )
+
+
+def _chain(mode, opt_name, n_steps=3):
+  """3 dense layers, each an immediate layer with ``w`` and ``b``, and the
+  single-device reference on the full batch: plain training for
+  ``current``, the sequential re-linearization for ``updated``.
+  """
+  opt = OPTIMIZERS[opt_name]()
+  chain, params = oracles.mlp([6, 16, 16, 3], jax.random.PRNGKey(0))
+  data = oracles.batches(jax.random.PRNGKey(1), n_steps, (16, 6), (16, 3))
+  if mode == "current":
+    expected, _ = oracles.plain_steps(chain.loss_fn(), opt, params, data)
+  else:
+    expected, _ = oracles.sequential_steps(chain, opt, params, data)
+  return chain, opt, params, data, expected
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adam"])
+@pytest.mark.parametrize("mode", ["current", "updated"])
+def test_one_all_reduce_per_layer(mode, opt_name):
+  """immgrad averages a layer's ``w`` and ``b`` with one ``lax.pmean``,
+  which JAX lowers to one all-reduce per leaf; XLA's all-reduce combiner
+  merges them: the compiled step holds at most one all-reduce per layer
+  (``updated`` exactly one, each needed before that layer's dX; ``current``
+  fewer, merged across layers too). Where XLA's CPU compiler merges none
+  (jaxlib 0.7.0) the counts are not asserted. Compiled with the combiner
+  off (one all-reduce per leaf, 6), the step computes the same numbers bit
+  for bit, and both equal one device on the full batch (ATOL, RTOL as
+  above).
+  """
+  chain, opt, params, data, expected = _chain(mode, opt_name)
+  tx = immgrad.shim(opt)
+  state = tx.init(params)
+  step = _mesh_step()(
+    _step(chain.loss_fn(immgrad.immediate_layer), tx, mode, "d")
+  )
+  data = _split(data)
+  lowered = step.lower(params, state, *data[0])
+  per_layer = lowered.compile()
+  per_leaf = lowered.compile(
+    compiler_options={"xla_disable_hlo_passes": COMBINERS}
+  )
+  layers, leaves = len(chain.names), len(jax.tree.leaves(params))
+  assert _all_reduces(per_leaf) == leaves
+  if _xla_merges_all_reduces():
+    if mode == "updated":
+      assert _all_reduces(per_layer) == layers
+    else:
+      assert 1 <= _all_reduces(per_layer) <= layers
+  got = {"per layer": (params, state), "per leaf": (params, state)}
+  for i, batch in enumerate(data):
+    for name, run in (("per layer", per_layer), ("per leaf", per_leaf)):
+      got[name] = run(*got[name], *batch)
+    chex.assert_trees_all_equal(got["per layer"], got["per leaf"])
+    chex.assert_trees_all_close(
+      got["per layer"][0], expected[i], atol=ATOL, rtol=RTOL
+    )
+
+
+def _mean_in(dtype):
+  """The hand-written average over ``d`` in ``dtype``: each gradient cast
+  to it, ``lax.pmean``, cast back.
+  """
+
+  def mean(grads):
+    cast = jax.tree.map(lambda g: g.astype(dtype), grads)
+    return jax.tree.map(
+      lambda m, g: m.astype(g.dtype), jax.lax.pmean(cast, "d"), grads
+    )
+
+  return mean
+
+
+@pytest.mark.parametrize(
+  "mode,model,check_vma",
+  [
+    ("current", "ordinary too", False),
+    ("current", "chain", True),
+    ("updated", "chain", False),
+    ("updated", "chain", True),
+    ("updated", "scanned", False),
+  ],
+)
+def test_reduce_dtype_bfloat16_equals_hand_reduction(mode, model, check_vma):
+  """``reduce_dtype=jnp.bfloat16`` equals the references of the other
+  tests run on 4 devices with every gradient (``current``: the whole
+  gradient of plain training; ``updated``: each layer's dW in the
+  sequential re-linearization) cast to bfloat16, averaged by ``lax.pmean``
+  and cast back before optax. ``"ordinary too"`` has undecorated
+  parameters, whose gradients immgrad averages after the backward pass;
+  ``"scanned"`` steps its hidden layers in ``immgrad.scan``'s loop.
+  Under ``check_vma=True`` JAX itself sums an undecorated replicated
+  parameter's gradient, in its own dtype, so that model runs without it.
+  Tolerance ATOL, RTOL as above (XLA may contract a multiply-add in one
+  program and not the other); the same references averaged in float32
+  differ from the bfloat16 ones by far more, so an ignored ``reduce_dtype``
+  fails.
+  """
+  if model == "ordinary too":
+    opt = optax.sgd(0.05, momentum=0.9)
+    params = models.init(jax.random.PRNGKey(2))
+    data = models.batches(jax.random.PRNGKey(3), 3, batch=16)
+    loss_fn, plain_loss = (
+      models.loss_fn(immgrad.immediate_layer),
+      models.loss_fn(),
+    )
+  elif model == "scanned":
+    loss_fn, opt, params, data, _ = _scanned_problem()
+  else:
+    chain, opt, params, data, _ = _chain(mode, "adam", n_steps=3)
+    loss_fn, plain_loss = (
+      chain.loss_fn(immgrad.immediate_layer),
+      chain.loss_fn(),
+    )
+  batch_args = len(data[0])
+
+  def reference(dtype):
+    compile_step = _mesh_step(batch_args=batch_args)
+    if mode == "current":
+      return oracles.plain_steps(
+        plain_loss, opt, params, data, _mean_in(dtype), compile_step
+      )[0]
+    if model == "scanned":
+      return _scanned_problem(
+        _split, reduce=_mean_in(dtype), compile_step=compile_step
+      )[4]
+    return oracles.sequential_steps(
+      chain,
+      opt,
+      params,
+      data,
+      reduce=_mean_in(dtype),
+      compile_step=compile_step,
+    )[0]
+
+  data = _split(data)
+
+  expected = reference(jnp.bfloat16)
+  assert oracles.max_abs_diff(expected, reference(jnp.float32)) > 100 * ATOL
+  tx = immgrad.shim(opt)
+  state = tx.init(params)
+  step = _mesh_step(check_vma, batch_args)(
+    _step(loss_fn, tx, mode, "d", reduce_dtype=jnp.bfloat16)
+  )
+  got = params
+  for i, batch in enumerate(data):
+    got, state = step(got, state, *batch)
+    chex.assert_trees_all_close(got, expected[i], atol=ATOL, rtol=RTOL)

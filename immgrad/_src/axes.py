@@ -2,13 +2,15 @@
 
 Under ``shard_map(check_vma=True)`` the gradient of an axis-invariant weight
 comes back already summed over the axis; these helpers keep an immediate
-layer's gradient local and average every gradient once.
+layer's gradient local and average every gradient once, a layer's leaves in
+one ``lax.pmean`` (in ``reduce_dtype`` if one is set).
 """
 
 from typing import Any, Hashable, Sequence
 
 import jax
 from jax import lax
+import jax.numpy as jnp
 
 from immgrad._src import compat
 
@@ -61,17 +63,54 @@ def local(tree: Any, axis_name: AxisName) -> Any:
   return jax.tree.map(cast, tree)
 
 
-def mean(tree: Any, axis_name: AxisName) -> Any:
-  """Averages local values over ``axis_name`` (identity when it is None)."""
+def reduce_dtype_of(reduce_dtype: Any, axis_name: AxisName) -> Any:
+  """``value_and_grad``'s ``reduce_dtype`` as a dtype (or None), checked."""
+  if reduce_dtype is None:
+    return None
+  try:
+    dtype = jnp.dtype(reduce_dtype)
+  except TypeError:
+    dtype = None
+  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(
+      "immgrad.value_and_grad(reduce_dtype=...): expected a floating dtype "
+      f"such as jnp.bfloat16 or jnp.float32, got {reduce_dtype!r}. It is "
+      "the dtype gradients are averaged over axis_name in; pass None to "
+      "average them in their own dtype."
+    )
+  if axis_name is None:
+    raise ValueError(
+      f"immgrad.value_and_grad(reduce_dtype={dtype.name}) needs an "
+      "axis_name: it sets the dtype of the average over that axis, and "
+      "with axis_name=None immgrad averages nothing (under plain jit over "
+      "a sharded batch XLA reduces in the gradients' own dtype). Pass the "
+      "pmap/shard_map axis, or leave reduce_dtype=None."
+    )
+  return dtype
+
+
+def mean(tree: Any, axis_name: AxisName, dtype: Any = None) -> Any:
+  """Averages local values over ``axis_name`` (identity when it is None).
+
+  With ``dtype``, each leaf is cast to it for the collective and back to
+  its own dtype after. All leaves go through one ``lax.pmean``.
+  """
   if axis_name is None:
     return tree
-  return lax.pmean(tree, axis_name)
+  if dtype is None:
+    return lax.pmean(tree, axis_name)
+  averaged = lax.pmean(jax.tree.map(lambda x: x.astype(dtype), tree), axis_name)
+  return jax.tree.map(lambda m, x: m.astype(x.dtype), averaged, tree)
 
 
 def mean_of_cotangent(
-  cotangent: jax.Array, primal: jax.Array, axis_name: AxisName
+  cotangent: jax.Array, primal: jax.Array, axis_name: AxisName, dtype=None
 ) -> jax.Array:
-  """The mean over ``axis_name`` of an ordinary parameter's gradient."""
+  """The mean over ``axis_name`` of an ordinary parameter's gradient.
+
+  Averaged in ``dtype`` where immgrad averages it; where JAX already summed
+  it (see above), JAX did so in the gradient's own dtype.
+  """
   names = _names(axis_name)
   summed = ()
   if names and tracks_vma(axis_name):
@@ -80,4 +119,4 @@ def mean_of_cotangent(
   for name in summed:
     cotangent = cotangent / lax.axis_size(name)
   rest = tuple(n for n in names if n not in summed)
-  return lax.pmean(cotangent, rest) if rest else cotangent
+  return mean(cotangent, rest, dtype) if rest else cotangent

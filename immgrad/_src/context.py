@@ -183,6 +183,7 @@ class Step:
     flag: jax.Array,
     measure_dx: bool = False,
     parent: Optional["Step"] = None,
+    reduce_dtype: Any = None,
   ):
     self.tx = tx
     self.params = params  # The params' shapes, for per-layer programs.
@@ -190,6 +191,7 @@ class Step:
     self.dx_at = dx_at  # dX at W + dx_at * (W_new - W).
     self.measure_dx = measure_dx  # Layers report |dX_new - dX| / |dX|.
     self.axis_name = axis_name
+    self.reduce_dtype = reduce_dtype  # Of the average over axis_name.
     self.atomic = atomic  # Layers report whether their step was finite,
     self.flag = flag  # through this scalar's (summed) cotangent.
     self.parent = parent  # The step of the enclosing trace, if nested.
@@ -242,6 +244,7 @@ class Step:
       self.flag,
       self.measure_dx,
       parent=self,
+      reduce_dtype=self.reduce_dtype,
     )
 
   def claim(self, layer: str, params: Any) -> list[Slot]:

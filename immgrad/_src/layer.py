@@ -253,7 +253,7 @@ def _immediate(fun, step: context.Step, slots, treedef, x):
       dx_current, dw = vjp(dy)
     else:
       (dw,) = vjp(dy)
-    dw = axes.mean(jax.tree.leaves(dw), axis_name)
+    dw = axes.mean(jax.tree.leaves(dw), axis_name, step.reduce_dtype)
     nonfinite = jnp.zeros((), jnp.float32)
     dx, probes = dx_current if at == 0 else None, None
     if step.steps_in_backward:
