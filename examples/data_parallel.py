@@ -21,15 +21,15 @@ os.environ["XLA_FLAGS"] = (
   os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 )
 
-import argparse  # noqa: E402  (after XLA_FLAGS, which JAX reads at start)
+import argparse  # After XLA_FLAGS, which JAX reads when it starts.
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-import optax  # noqa: E402
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import optax
 
-import immgrad  # noqa: E402
+import immgrad
 
 
 def mlp(params, x):
