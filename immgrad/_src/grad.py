@@ -155,20 +155,20 @@ def value_and_grad(
     shapes = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), params
     )
+    settings = context.Settings(
+      tx=tx.inner,
+      params=shapes,
+      shared=plan.shared_positions,
+      dx_at=dx_at,
+      axis_name=axis_name,
+      atomic=tx.atomic,
+      measure_dx=measure_dx,
+    )
     run = None
 
     def loss(views, weights, flag, probes):
       nonlocal run
-      run = context.Step(
-        tx.inner,
-        shapes,
-        plan.shared_positions,
-        dx_at,
-        axis_name,
-        tx.atomic,
-        flag,
-        measure_dx,
-      )
+      run = context.Registry(settings, flag, parent=None)
       for i, view in enumerate(views):
         slot = context.Slot(
           path=paths[i],

@@ -218,7 +218,7 @@ def _step(
   # own layer, so the backward pass is plain's, operation for operation:
   # a unit would sum the cotangents of its input's uses inside itself,
   # a different float association (bfloat16 models round it apart).
-  whole = step.dx_at != 0 or step.measure_dx
+  whole = step.settings.dx_at != 0 or step.settings.measure_dx
   intercept = functools.partial(_unit, units) if whole else _through
 
   def call(mine, others, state, rng, args, kwargs):
@@ -243,7 +243,7 @@ def _as_units(fn, units, step, args, kwargs):
   ``units`` one unit where the step's dX needs module boundaries, as in
   :func:`_step`.
   """
-  if step.dx_at == 0 and not step.measure_dx:
+  if step.settings.dx_at == 0 and not step.settings.measure_dx:
     return fn(*args, **kwargs)
   with hk.intercept_methods(functools.partial(_unit, units)):
     return fn(*args, **kwargs)
