@@ -34,7 +34,7 @@ from immgrad._src import auto
 from immgrad._src import axes
 from immgrad._src import base
 from immgrad._src import context
-from immgrad._src import refusal
+from immgrad._src import plan as plan_lib
 from immgrad._src import shim as shim_lib
 
 _MODES = {"current": 0.0, "updated": 1.0}
@@ -149,7 +149,7 @@ def value_and_grad(
     keyed, treedef = jax.tree_util.tree_flatten_with_path(params)
     paths = [jax.tree_util.keystr(path) for path, _ in keyed]
     leaves = [leaf for _, leaf in keyed]
-    plan = refusal.cut(tx.inner, params)
+    plan = plan_lib.cut(tx.inner, params)
     state = shim_lib.state_leaves(plan, opt_state)
     states = [[state[k] for k in leaf.reads] for leaf in plan.leaves]
     shapes = jax.tree.map(

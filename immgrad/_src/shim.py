@@ -24,7 +24,7 @@ with the step, and by a ``lax.cond`` per parameter on the CPU, which keeps
 its peak memory low (``commit.by_select``).
 
 So ``tx`` must act on each parameter on its own. ``plan.py`` follows the
-data flow of ``tx.update``, and ``refusal.py`` refuses a transformation
+data flow of ``tx.update`` and refuses a transformation
 that mixes parameters (``clip_by_global_norm``, ``apply_if_finite``, a
 global estimate kept in the state) with an error naming it and the fix,
 instead of letting it silently do something else.
@@ -38,7 +38,6 @@ import optax
 
 from immgrad._src import commit as commit_lib
 from immgrad._src import plan as plan_lib
-from immgrad._src import refusal
 from immgrad._src.base import ImmediateGrad
 from immgrad._src.base import ShimState
 from immgrad._src.base import ShimTransformation
@@ -129,11 +128,11 @@ def shim(
     Array([0.8, 0.8], dtype=float32)
   """
   tx = _as_transformation(tx)
-  refusal.check(tx)
+  plan_lib.check(tx)
 
   def init_fn(params):
     _check_params(params)
-    refusal.cut(tx, params)
+    plan_lib.cut(tx, params)
     return ShimState(inner=tx.init(params), rejected=jnp.zeros((), jnp.int32))
 
   def update_fn(grads, state, params=None):
@@ -147,7 +146,7 @@ def shim(
     grads = flatten_like(treedef, grads, "grads")
     for path, g, (_, p) in zip(paths, grads, keyed):
       _check_like(path, _value_of(g), p)
-    plan = refusal.cut(tx, params)
+    plan = plan_lib.cut(tx, params)
     step = commit_lib.Step(tx, params, plan, paths, grads)
     updates, new, ok = step.commit(state_leaves(plan, state), atomic)
     rejected = state.rejected
