@@ -52,9 +52,9 @@ import jax
 from jax.extend import core as jex_core
 import jax.numpy as jnp
 
-from immgrad._src import adapters
 from immgrad._src import auto
 from immgrad._src import context
+from immgrad._src.adapters import common
 
 _NAME = "immgrad.haiku.immediate"
 
@@ -163,7 +163,7 @@ def immediate(
     raise TypeError(
       f"immgrad.haiku.immediate expects a Haiku forward function, got {fn!r}."
     )
-  chosen = adapters.check_modules(
+  chosen = common.check_modules(
     modules, (hk.Module,), _NAME, "hk.Module", "(hk.Linear, hk.Conv2D)"
   )
   units = (DEFAULT_MODULES if chosen is None else chosen) + IMMEDIATE_CLASSES
@@ -208,7 +208,7 @@ def _step(
         mine.setdefault(bundle, {})[name] = leaf
       elif stepped and isinstance(leaf, jax.core.Tracer):
         raise ValueError(
-          _COPY.format(path=f"{bundle}/{name}", fn=adapters.name(fn))
+          _COPY.format(path=f"{bundle}/{name}", fn=common.name(fn))
         )
       else:
         others.setdefault(bundle, {})[name] = leaf

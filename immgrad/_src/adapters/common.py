@@ -1,7 +1,6 @@
 """What the three library adapters share: ``modules=`` and the hand-off.
 
-Each adapter (``haiku_immediate.py``, ``flax_immediate.py``,
-``equinox_immediate.py``) decides which parameter leaves of ``fn``'s
+Each adapter (``haiku.py``, ``flax.py``, ``equinox.py``) decides which parameter leaves of ``fn``'s
 arguments :func:`immgrad.immediate` may step, and hands those over here.
 """
 

@@ -14,9 +14,9 @@ from typing import Any, Callable, Sequence
 import equinox as eqx
 import jax
 
-from immgrad._src import adapters
 from immgrad._src import auto
 from immgrad._src import context
+from immgrad._src.adapters import common
 
 _NAME = "immgrad.equinox.immediate"
 _NO_PARAMETERS = (
@@ -97,7 +97,7 @@ def immediate(
     raise TypeError(
       f"immgrad.equinox.immediate expects a function, got {fn!r}."
     )
-  chosen = adapters.check_modules(
+  chosen = common.check_modules(
     modules, (eqx.Module,), _NAME, "eqx.Module", "(eqx.nn.Linear,)"
   )
 
@@ -109,11 +109,11 @@ def immediate(
     keyed, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
     found = [step.find(leaf, _NAME) is not None for _, leaf in keyed]
     if not any(found):
-      raise ValueError(_NO_PARAMETERS.format(fn=adapters.name(fn)))
+      raise ValueError(_NO_PARAMETERS.format(fn=common.name(fn)))
     if chosen is not None:
       owned = _owned(chosen, (args, kwargs))
       found = [f and o for f, o in zip(found, owned)]
-    return adapters.step_chosen(fn, keyed, treedef, found, strict)
+    return common.step_chosen(fn, keyed, treedef, found, strict)
 
   return wrapped
 

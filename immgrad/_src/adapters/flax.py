@@ -25,9 +25,9 @@ from flax import linen as nn
 from flax import nnx
 import jax
 
-from immgrad._src import adapters
 from immgrad._src import auto
 from immgrad._src import context
+from immgrad._src.adapters import common
 
 _NAME = "immgrad.flax.immediate"
 _NO_PARAMETERS = (
@@ -142,7 +142,7 @@ def immediate(
       f"immgrad.flax.immediate expects a function that calls Flax "
       f"modules, got {fn!r}."
     )
-  chosen = adapters.check_modules(
+  chosen = common.check_modules(
     modules,
     (nnx.Module, nn.Module),
     _NAME,
@@ -158,13 +158,13 @@ def immediate(
     keyed, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
     found = [step.find(leaf, _NAME) is not None for _, leaf in keyed]
     if not any(found):
-      raise ValueError(_NO_PARAMETERS.format(fn=adapters.name(fn)))
+      raise ValueError(_NO_PARAMETERS.format(fn=common.name(fn)))
     if chosen is not None:
       owners = _owners(fn, (args, kwargs), keyed, treedef, found)
       found = [
         i in owners and issubclass(owners[i], chosen) for i in range(len(found))
       ]
-    return adapters.step_chosen(fn, keyed, treedef, found, strict)
+    return common.step_chosen(fn, keyed, treedef, found, strict)
 
   return wrapped
 
@@ -188,8 +188,8 @@ def _owners(fn, tree, keyed: list, treedef, candidates: list) -> dict:
   in_state = _in_nnx_state(tree)
   for i, c in enumerate(candidates):
     if c and i not in owners and in_state[i]:
-      leaf = adapters.place(keyed[i][0])
-      raise ValueError(_NO_GRAPH.format(leaf=leaf, fn=adapters.name(fn)))
+      leaf = common.place(keyed[i][0])
+      raise ValueError(_NO_GRAPH.format(leaf=leaf, fn=common.name(fn)))
   return owners
 
 
