@@ -36,9 +36,8 @@ Either way a weight a custom getter computes (``hk.custom_getter``,
 ``hk.ConvND`` and ``hk.Embed`` weights, and an interceptor that casts
 their floating inputs, in and out of a step alike.
 
-Haiku's frame (``haiku._src.stateful``: ``internal_state``,
-``temporary_internal_state``, ``update_internal_state``) is private;
-``tests/test_haiku_models.py`` checks they exist and trains through them.
+Haiku's frame is reached through its private ``haiku._src.stateful``,
+every use of it in ``haiku_private.py``.
 """
 
 import contextlib
@@ -47,7 +46,6 @@ import threading
 from typing import Any, Callable, Sequence
 
 import haiku as hk
-from haiku._src import stateful as hk_stateful
 import jax
 from jax.extend import core as jex_core
 import jax.numpy as jnp
@@ -55,6 +53,7 @@ import jax.numpy as jnp
 from immgrad._src import auto
 from immgrad._src import context
 from immgrad._src.adapters import common
+from immgrad._src.adapters import haiku_private
 
 _NAME = "immgrad.haiku.immediate"
 
@@ -159,10 +158,7 @@ def immediate(
     ...     lambda x: Scale()(hk.Linear(2)(x)),
     ...     modules=immgrad.haiku.DEFAULT_MODULES + (Scale,))
   """
-  if not callable(fn):
-    raise TypeError(
-      f"immgrad.haiku.immediate expects a Haiku forward function, got {fn!r}."
-    )
+  common.check_callable(fn, _NAME, "a Haiku forward function")
   chosen = common.check_modules(
     modules, (hk.Module,), _NAME, "hk.Module", "(hk.Linear, hk.Conv2D)"
   )
@@ -195,7 +191,7 @@ def _step(
   ``strict``: as :func:`immgrad.immediate`'s.
   """
   params = hk.get_params()
-  outer = hk_stateful.internal_state(params=False)
+  outer = haiku_private.frame(params=False)
   owners = _owners(fn, params, outer, args, kwargs)
   mine, others = {}, {}
   for bundle, leaves in params.items():
@@ -223,18 +219,17 @@ def _step(
 
   def call(mine, others, state, rng, args, kwargs):
     full = {b: {**others.get(b, {}), **mine.get(b, {})} for b in params}
-    inner = hk_stateful.InternalState(full, state, rng)
-    with hk_stateful.temporary_internal_state(inner, share_python_state=True):
+    with haiku_private.running_in(full, state, rng, share_python_state=True):
       with hk.intercept_methods(intercept):
         out = fn(*args, **kwargs)
-      after = hk_stateful.internal_state(params=False)
+      after = haiku_private.frame(params=False)
     return out, after.state, after.rng
 
   with _running():
     out, state, rng = auto.immediate(call, strict=strict)(
       mine, others, outer.state, outer.rng, args, kwargs
     )
-  hk_stateful.update_internal_state(hk_stateful.InternalState(None, state, rng))
+  haiku_private.write_back(state, rng)
   return out
 
 
@@ -269,13 +264,12 @@ def _owners(fn, params, outer, args, kwargs) -> dict:
     for i, value in zip(positions, dynamic):
       full[i] = value
     args, kwargs = treedef.unflatten(full)
-    inner = hk_stateful.InternalState(params, state, rng)
-    with hk_stateful.temporary_internal_state(inner), _running():
+    with haiku_private.running_in(params, state, rng), _running():
       with hk.custom_getter(record):
         fn(*args, **kwargs)
 
   leaves, treedef = jax.tree.flatten((args, kwargs))
-  positions = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
+  positions = [i for i, leaf in enumerate(leaves) if common.is_array(leaf)]
   jax.eval_shape(
     probe, params, outer.state, outer.rng, [leaves[i] for i in positions]
   )
@@ -295,14 +289,6 @@ def _owner(owners: dict, bundle: str, name: str) -> tuple[bool, type | None]:
     return True, owners[bundle, name]
   inner = [b for b, n in owners if n == name and bundle.endswith("/" + b)]
   return (True, owners[max(inner, key=len), name]) if inner else (False, None)
-
-
-def _is_array(x) -> bool:
-  return (
-    isinstance(x, (jax.Array, jax.ShapeDtypeStruct))
-    or hasattr(x, "__jax_array__")
-    or type(x).__module__ == "numpy"
-  )
 
 
 def _through(next_f, args, kwargs, ctx):
@@ -327,25 +313,27 @@ def _unit(chosen, next_f, args, kwargs, ctx):
     return next_f(*args, **kwargs)
   prefix = module.module_name
   own = lambda b: b == prefix or b.startswith(prefix + "/")
-  frame = hk_stateful.internal_state()
+  frame = haiku_private.frame()
   params = {b: p for b, p in frame.params.items() if own(b)}
   state = {b: s for b, s in frame.state.items() if own(b)}
   leaves, treedef = jax.tree.flatten((params, state, frame.rng, args, kwargs))
-  positions = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
+  positions = [i for i, leaf in enumerate(leaves) if common.is_array(leaf)]
 
   def body(*dynamic):
     full = list(leaves)
     for i, value in zip(positions, dynamic):
       full[i] = value
     p, s, rng, a, kw = treedef.unflatten(full)
-    inner = hk_stateful.InternalState(
-      {**frame.params, **p}, {**frame.state, **s}, rng
-    )
     outer, _local.unit = getattr(_local, "unit", False), True
     try:
-      with hk_stateful.temporary_internal_state(inner, share_python_state=True):
+      with haiku_private.running_in(
+        {**frame.params, **p},
+        {**frame.state, **s},
+        rng,
+        share_python_state=True,
+      ):
         out = next_f(*a, **kw)
-        after = hk_stateful.internal_state(params=False)
+        after = haiku_private.frame(params=False)
     finally:
       _local.unit = outer
     mine = {b: v for b, v in after.state.items() if own(b)}
@@ -356,7 +344,7 @@ def _unit(chosen, next_f, args, kwargs, ctx):
   )
   flat = _bound(closed.jaxpr)(closed.consts, [leaves[i] for i in positions])
   out, state, rng = jax.tree.unflatten(jax.tree.structure(shape), flat)
-  hk_stateful.update_internal_state(hk_stateful.InternalState(None, state, rng))
+  haiku_private.write_back(state, rng)
   return out
 
 
