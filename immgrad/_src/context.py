@@ -209,7 +209,7 @@ class Registry:
     self.parent = parent  # The registry of the enclosing trace, if nested.
     self.slots: list[Slot] = []
     self._by_id: dict[int, Slot] = {}
-    self._trace = None  # Set by `opened`, in the trace of the loss.
+    self._trace: Any = None  # Set by `opened`, in the trace of the loss.
 
   def add(self, slot: Slot) -> None:
     self.slots.append(slot)
