@@ -214,8 +214,7 @@ def _step(
   # own layer, so the backward pass is plain's, operation for operation:
   # a unit would sum the cotangents of its input's uses inside itself,
   # a different float association (bfloat16 models round it apart).
-  whole = step.settings.dx_at != 0 or step.settings.measure_dx
-  intercept = functools.partial(_unit, units) if whole else _through
+  intercept = functools.partial(_unit, units) if _by_module(step) else _through
 
   def call(mine, others, state, rng, args, kwargs):
     full = {b: {**others.get(b, {}), **mine.get(b, {})} for b in params}
@@ -238,10 +237,20 @@ def _as_units(fn, units, step, args, kwargs):
   ``units`` one unit where the step's dX needs module boundaries, as in
   :func:`_step`.
   """
-  if step.settings.dx_at == 0 and not step.settings.measure_dx:
+  if not _by_module(step):
     return fn(*args, **kwargs)
   with hk.intercept_methods(functools.partial(_unit, units)):
     return fn(*args, **kwargs)
+
+
+def _by_module(step) -> bool:
+  """Whether each chosen module's call is one unit: where the step takes dX
+  at other weights than the old ones. Not in ``immgrad.layers``' survey,
+  which reports ``mode="current"``'s layers.
+  """
+  return isinstance(step, context.Registry) and (
+    step.settings.dx_at != 0 or step.settings.measure_dx
+  )
 
 
 def _owners(fn, params, outer, args, kwargs) -> dict:
