@@ -11,8 +11,8 @@ except ImportError as e:
     'immgrad.equinox needs Equinox: pip install "immgrad[equinox]"'
   ) from e
 
-from immgrad._src.equinox_immediate import DEFAULT_MODULES as DEFAULT_MODULES
-from immgrad._src.equinox_immediate import immediate as immediate
+from immgrad._src.adapters.equinox import DEFAULT_MODULES as DEFAULT_MODULES
+from immgrad._src.adapters.equinox import immediate as immediate
 
 __all__ = (
   "DEFAULT_MODULES",

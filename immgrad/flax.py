@@ -12,8 +12,8 @@ except ImportError as e:
     'pip install "immgrad[flax]"'
   ) from e
 
-from immgrad._src.flax_immediate import DEFAULT_MODULES as DEFAULT_MODULES
-from immgrad._src.flax_immediate import immediate as immediate
+from immgrad._src.adapters.flax import DEFAULT_MODULES as DEFAULT_MODULES
+from immgrad._src.adapters.flax import immediate as immediate
 
 __all__ = (
   "DEFAULT_MODULES",

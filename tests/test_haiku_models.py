@@ -8,7 +8,9 @@ differently fused programs). Where a model is chaotic the test keeps it
 out of that regime, as said there: then rounding is all that differs.
 """
 
+import ast
 import functools
+import pathlib
 
 import chex
 import haiku as hk
@@ -636,22 +638,48 @@ def test_params_and_plain_training_unchanged_by_immediate():
   assert np.isfinite(float(jnp.sum(plain.apply(params, x))))
 
 
+def _private_haiku_uses(path: pathlib.Path) -> list[str]:
+  """What ``path``'s code takes from ``haiku._src``: the imports of it and
+  every ``stateful.<name>`` (its docstrings may name it freely).
+  """
+  uses = []
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+      "haiku._src"
+    ):
+      uses += [f"{node.module}.{alias.name}" for alias in node.names]
+    elif isinstance(node, ast.Import):
+      uses += [a.name for a in node.names if a.name.startswith("haiku._src")]
+    elif isinstance(node, ast.Attribute) and node.attr == "_src":
+      uses.append(ast.unparse(node))
+    elif isinstance(node, ast.Attribute) and ast.unparse(node.value) == (
+      "stateful"
+    ):
+      uses.append(f"stateful.{node.attr}")
+  return uses
+
+
 def test_the_private_haiku_seams_the_adapter_uses_exist():
   """immgrad.haiku runs fn in a Haiku frame through haiku._src.stateful
-  (private): if a Haiku release moves these, this says which.
+  (private), and only in adapters/haiku_private.py: every name it uses is
+  in its USED, and exists in the installed Haiku (if a Haiku release moves
+  one, this says which).
   """
   from haiku._src import stateful
 
-  missing = [
-    name
-    for name in (
-      "InternalState",
-      "internal_state",
-      "temporary_internal_state",
-      "update_internal_state",
-    )
-    if not hasattr(stateful, name)
-  ]
+  from immgrad._src.adapters import haiku_private
+
+  root = pathlib.Path(immgrad.__file__).parent
+  private = root / "_src" / "adapters" / "haiku_private.py"
+  elsewhere = {
+    str(path.relative_to(root)): _private_haiku_uses(path)
+    for path in sorted(root.rglob("*.py"))
+    if path != private and _private_haiku_uses(path)
+  }
+  assert not elsewhere, f"haiku._src used outside haiku_private.py: {elsewhere}"
+  used = {u.split(".")[-1] for u in _private_haiku_uses(private)}
+  assert used - {"stateful"} == set(haiku_private.USED)
+  missing = [name for name in haiku_private.USED if not hasattr(stateful, name)]
   assert not missing, f"haiku {hk.__version__} lacks stateful.{missing}"
 
 

@@ -1288,9 +1288,6 @@ class _Survey:
   other dX, Haiku's adapter binds each module call as one layer).
   """
 
-  dx_at = 0.0
-  measure_dx = False
-
   def __init__(self, index: dict):
     self.index = index  # id(traced parameter leaf) -> its row.
     self.rows = {}

@@ -1,8 +1,8 @@
 """How an immediate layer finds its parameter's optimizer state.
 
 ``value_and_grad`` records each parameter leaf the loss sees in a
-:class:`Step`, with its hidden weight channel and optimizer state; a layer
-looks its weights up there by object identity, only in the trace the step
+:class:`Registry`, with its hidden weight channel and optimizer state; a layer
+looks its weights up there by object identity, only in the trace the registry
 was opened in (``docs/design.md``, "How a layer finds its state").
 """
 
@@ -161,43 +161,18 @@ class Slot:
       slot = slot.parent
 
 
-class Step:
-  """The parameters of one ``value_and_grad`` step, by object identity.
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """What one ``value_and_grad`` step fixes for every layer in it."""
 
-  Identity is only meaningful in the trace that created the values. Inside
-  ``lax.scan``, ``lax.cond``, ``jax.checkpoint`` or an inner ``jit`` a layer
-  either sees fresh tracers (not found here) or closed-over ones whose
-  backward rule JAX may run zero or many times per step; both raise a clear
-  error (``find``). ``jax.vmap`` is the exception: ``layer.py`` lifts a
-  vmapped layer back to the step's trace.
-  """
-
-  def __init__(
-    self,
-    tx,
-    params: Any,
-    shared: tuple,
-    dx_at: float,
-    axis_name,
-    atomic: bool,
-    flag: jax.Array,
-    measure_dx: bool = False,
-    parent: Optional["Step"] = None,
-    reduce_dtype: Any = None,
-  ):
-    self.tx = tx
-    self.params = params  # The params' shapes, for per-layer programs.
-    self.shared = shared  # Positions of the state no parameter owns.
-    self.dx_at = dx_at  # dX at W + dx_at * (W_new - W).
-    self.measure_dx = measure_dx  # Layers report |dX_new - dX| / |dX|.
-    self.axis_name = axis_name
-    self.reduce_dtype = reduce_dtype  # Of the average over axis_name.
-    self.atomic = atomic  # Layers report whether their step was finite,
-    self.flag = flag  # through this scalar's (summed) cotangent.
-    self.parent = parent  # The step of the enclosing trace, if nested.
-    self.slots: list[Slot] = []
-    self._by_id: dict[int, Slot] = {}
-    self._trace: Any = None  # Set by `opened`, in the trace of the loss.
+  tx: Any  # The shim's inner optimizer.
+  params: Any  # The params' shapes, for per-layer programs.
+  shared: tuple  # Positions of the state no parameter owns.
+  dx_at: float  # dX at W + dx_at * (W_new - W).
+  axis_name: Any = None  # Gradients are averaged over it.
+  atomic: bool = False  # Layers report whether their step was finite.
+  measure_dx: bool = False  # Layers report |dX_new - dX| / |dX|.
+  reduce_dtype: Any = None  # Of the average over axis_name.
 
   @property
   def steps_in_backward(self) -> bool:
@@ -207,6 +182,25 @@ class Step:
     """
     return self.dx_at != 0 or self.atomic or self.measure_dx
 
+
+class Registry:
+  """The parameter slots of one trace of a step, by object identity.
+
+  ``settings`` are the step's, shared by the registries of its nested
+  traces; ``flag`` is this trace's: a zero scalar whose (summed) cotangent
+  counts the layers whose step was not finite (atomic steps).
+  """
+
+  def __init__(
+    self, settings: Settings, flag: jax.Array, parent: Optional["Registry"]
+  ):
+    self.settings = settings
+    self.flag = flag
+    self.parent = parent  # The registry of the enclosing trace, if nested.
+    self.slots: list[Slot] = []
+    self._by_id: dict[int, Slot] = {}
+    self._trace: Any = None  # Set by `opened`, in the trace of the loss.
+
   def add(self, slot: Slot) -> None:
     self.slots.append(slot)
     self._by_id[id(slot.view)] = slot
@@ -214,17 +208,17 @@ class Step:
   def find(self, leaf: Any, user: str) -> Slot | None:
     """The slot whose view ``leaf`` is, or None; ``user`` names the caller.
 
-    Raises if ``leaf`` is a view of this step or an enclosing one but we
+    Raises if ``leaf`` is a view of this trace or an enclosing one but we
     are not in the trace it was made in.
     """
-    step = self
-    while step is not None:
-      slot = step._by_id.get(id(leaf))
+    registry = self
+    while registry is not None:
+      slot = registry._by_id.get(id(leaf))
       if slot is not None:
-        if step is not self or get_opaque_trace_state() != self._trace:
+        if registry is not self or get_opaque_trace_state() != self._trace:
           raise nested_error(user, slot.path)
         return slot
-      step = step.parent
+      registry = registry.parent
     return None
 
   def find_all(self, leaves: list, user: str) -> list[tuple[int, Slot]]:
@@ -232,20 +226,11 @@ class Step:
     found = [(i, self.find(leaf, user)) for i, leaf in enumerate(leaves)]
     return [(i, slot) for i, slot in found if slot is not None]
 
-  def nested(self) -> "Step":
-    """A step for the body of a transformation traced inside this one."""
-    return Step(
-      self.tx,
-      self.params,
-      self.shared,
-      self.dx_at,
-      self.axis_name,
-      self.atomic,
-      self.flag,
-      self.measure_dx,
-      parent=self,
-      reduce_dtype=self.reduce_dtype,
-    )
+  def nested(self, flag: jax.Array | None = None) -> "Registry":
+    """A registry for the body of a transformation traced inside this
+    trace, with its own ``flag`` if the body takes it in (else this one's).
+    """
+    return Registry(self.settings, self.flag if flag is None else flag, self)
 
   def claim(self, layer: str, params: Any) -> list[Slot]:
     """Returns the slots of ``params``'s leaves, now owned by ``layer``."""
@@ -268,7 +253,9 @@ class Step:
     shape = jax.core.ShapedArray(jnp.shape(leaf), jnp.result_type(leaf))
     transposed = [
       jax.tree_util.keystr(path)
-      for path, p in jax.tree_util.tree_flatten_with_path(self.params)[0]
+      for path, p in jax.tree_util.tree_flatten_with_path(self.settings.params)[
+        0
+      ]
       if len(p.shape) > 1 and p.shape == shape.shape[::-1] != p.shape[::-1]
     ]
     hint = _TRANSPOSED.format(path=transposed[0]) if transposed else ""
@@ -313,14 +300,14 @@ def watched(leaf: jax.Array, on_use: Callable[[], None]) -> jax.Array:
 _steps = threading.local()
 
 
-def current() -> Step | None:
-  """The innermost open step, or None outside ``immgrad.value_and_grad``."""
+def current() -> Registry | None:
+  """The innermost open registry, or None outside ``immgrad.value_and_grad``."""
   stack = getattr(_steps, "stack", [])
   return stack[-1] if stack else None
 
 
-def analysing() -> Step | None:
-  """The step hidden by :class:`hidden` while its loss is traced whole."""
+def analysing() -> Registry | None:
+  """The registry hidden by :class:`hidden` while its loss is traced whole."""
   stack = getattr(_steps, "stack", [])
   if stack and stack[-1] is None:
     return _steps.hidden[-1]
@@ -334,7 +321,7 @@ class hidden:
   each decorated layer one unit.
   """
 
-  def __init__(self, step: Step | None):
+  def __init__(self, step: Registry | None):
     self._step = step
 
   def __enter__(self) -> None:
@@ -355,10 +342,10 @@ class opened:
   in is the only one in which ``step`` answers.
   """
 
-  def __init__(self, step: Step):
+  def __init__(self, step: Registry):
     self._step = step
 
-  def __enter__(self) -> Step:
+  def __enter__(self) -> Registry:
     if not hasattr(_steps, "stack"):
       _steps.stack = []
     self._step._trace = get_opaque_trace_state()

@@ -18,7 +18,7 @@ from immgrad._src import auto
 from immgrad._src import axes
 from immgrad._src import base
 from immgrad._src import context
-from immgrad._src import refusal
+from immgrad._src import plan as plan_lib
 from immgrad._src import shim as shim_lib
 
 _MODES = {"current": 0.0, "updated": 1.0}
@@ -155,27 +155,27 @@ def value_and_grad(
     keyed, treedef = jax.tree_util.tree_flatten_with_path(params)
     paths = [jax.tree_util.keystr(path) for path, _ in keyed]
     leaves = [leaf for _, leaf in keyed]
-    plan = refusal.cut(tx.inner, params)
+    plan = plan_lib.cut(tx.inner, params)
     state = shim_lib.state_leaves(plan, opt_state)
     states = [[state[k] for k in leaf.reads] for leaf in plan.leaves]
     shapes = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), params
     )
-    run: context.Step | None = None
+    settings = context.Settings(
+      tx=tx.inner,
+      params=shapes,
+      shared=plan.shared_positions,
+      dx_at=dx_at,
+      axis_name=axis_name,
+      atomic=tx.atomic,
+      measure_dx=measure_dx,
+      reduce_dtype=reduce_dtype,
+    )
+    run: context.Registry | None = None
 
     def loss(views, weights, flag, probes):
       nonlocal run
-      run = context.Step(
-        tx.inner,
-        shapes,
-        plan.shared_positions,
-        dx_at,
-        axis_name,
-        tx.atomic,
-        flag,
-        measure_dx,
-        reduce_dtype=reduce_dtype,
-      )
+      run = context.Registry(settings, flag, parent=None)
       for i, view in enumerate(views):
         slot = context.Slot(
           path=paths[i],

@@ -212,11 +212,12 @@ def _check_signature(fun: Callable, layer_name: str) -> None:
     ) from e
 
 
-def _immediate(fun, step: context.Step, slots, treedef, x):
+def _immediate(fun, step: context.Registry, slots, treedef, x):
   """Calls ``fun`` through a custom_vjp that steps ``slots`` in its bwd."""
-  axis_name = step.axis_name
-  at = step.dx_at  # dX at W + at * (W_new - W): 0 "current", 1 "updated".
-  wrt_x = at == 0 or step.measure_dx  # dX at the old weights is needed.
+  settings = step.settings
+  axis_name = settings.axis_name
+  at = settings.dx_at  # dX at W + at * (W_new - W): 0 "current", 1 "updated".
+  wrt_x = at == 0 or settings.measure_dx  # dX at the old weights is needed.
   in_loop = any(slot.depth for slot in slots)  # Sliced by immgrad.scan.
 
   def bound(weights):
@@ -235,11 +236,11 @@ def _immediate(fun, step: context.Step, slots, treedef, x):
       y, vjp = jax.vjp(lambda w: fun(x, w), bound(weights))
     # Only what the backward rule reads: under a loop every residual is
     # stacked over the iterations, and XLA need not see through it.
-    x_again = at != 0 or step.measure_dx  # dx_from, at other weights.
+    x_again = at != 0 or settings.measure_dx  # dx_from, at other weights.
     return y, (
       vjp,
       x if x_again else None,
-      weights if step.steps_in_backward else None,
+      weights if settings.steps_in_backward else None,
       states,
     )
 
@@ -253,10 +254,10 @@ def _immediate(fun, step: context.Step, slots, treedef, x):
       dx_current, dw = vjp(dy)
     else:
       (dw,) = vjp(dy)
-    dw = axes.mean(jax.tree.leaves(dw), axis_name, step.reduce_dtype)
+    dw = axes.mean(jax.tree.leaves(dw), axis_name, settings.reduce_dtype)
     nonfinite = jnp.zeros((), jnp.float32)
     dx, probes = dx_current if at == 0 else None, None
-    if step.steps_in_backward:
+    if settings.steps_in_backward:
       if not in_loop:
         # The gradient is computed whole before it is stepped on. Without
         # this XLA TPU fuses the optimizer's update into the dW matmul's
@@ -271,9 +272,9 @@ def _immediate(fun, step: context.Step, slots, treedef, x):
         for slot, g, s, w in zip(slots, dw, states, weights)
       ]
       new = [w for w, _ in stepped]
-      if step.atomic:
+      if settings.atomic:
         nonfinite = jnp.where(commit.all_finite((dw, stepped)), 0.0, 1.0)
-      if at == 1 or step.measure_dx:
+      if at == 1 or settings.measure_dx:
         dx_updated = dx_from(x, new, dy)
       if at == 1:
         dx = dx_updated
@@ -285,7 +286,7 @@ def _immediate(fun, step: context.Step, slots, treedef, x):
           ],
           dy,
         )
-      if step.measure_dx:
+      if settings.measure_dx:
         change = _relative_change(dx_updated, dx_current, axis_name)
         probes = [
           _at_first(jnp.zeros_like(w, jnp.float32), change) for w in weights
@@ -298,9 +299,9 @@ def _immediate(fun, step: context.Step, slots, treedef, x):
   return core(
     x,
     [s.weight for s in slots],
-    [s.state if step.steps_in_backward else [] for s in slots],
+    [s.state if settings.steps_in_backward else [] for s in slots],
     step.flag,
-    [s.probe for s in slots] if step.measure_dx else None,
+    [s.probe for s in slots] if settings.measure_dx else None,
   )
 
 

@@ -15,6 +15,7 @@ from jax.extend import core as jax_core
 import jax.numpy as jnp
 
 from immgrad._src import compat
+from immgrad._src import refusal
 
 _SHARED = -1  # Owner of a state leaf that belongs to no parameter.
 
@@ -68,6 +69,58 @@ def make(tx, params: Any) -> Plan:
   """
   params = jax.tree.map(_aval, params)
   return _make(tx, jax.tree.structure(params), tuple(jax.tree.leaves(params)))
+
+
+def cut(tx, params: Any) -> Plan:
+  """:func:`make`, or a ``ValueError`` that names the part of ``tx`` at
+  fault and the fix (worded by ``refusal.py``).
+  """
+  try:
+    return make(tx, params)
+  except NotSeparable as e:
+    raise refusal.not_separable(tx, params, e, _why_not, runs_on) from e
+  except Exception as e:
+    raise refusal.fails_on(tx, params, e, runs_on) from e
+
+
+_PROBE = {
+  "a": jax.ShapeDtypeStruct((4, 3), jnp.float32),
+  "b": jax.ShapeDtypeStruct((5,), jnp.float32),
+}
+
+
+def check(tx) -> None:
+  """Refuses ``tx`` early, on a probe tree, if it shows ``tx`` mixes leaves.
+
+  A ``tx`` that needs the params' own tree (a mask shaped like them) does
+  not run on the probe: it is checked at ``init``, on the real params.
+  """
+  if runs_on(tx, _PROBE):
+    cut(tx, _PROBE)
+
+
+def runs_on(tx, params: Any) -> bool:
+  """Whether ``tx`` runs at all on a tree shaped like ``params``."""
+  try:
+    state = jax.eval_shape(tx.init, params)
+    jax.eval_shape(tx.update, params, state, params)
+  except Exception:
+    return False
+  return True
+
+
+def _why_not(tx, params: Any) -> str | None:
+  """Why ``tx`` has no per-parameter cut for ``params``, or None.
+
+  Structural, not numerical (the cut follows the data flow): a numerical
+  probe would miss a global-norm clip that happens not to trigger on it
+  (after adam, say).
+  """
+  try:
+    make(tx, params)
+  except NotSeparable as e:
+    return str(e)
+  return None
 
 
 def sliced(tx, params: Any, layer_axes: dict[int, int]) -> Plan:

@@ -1,17 +1,13 @@
-"""The per-parameter cut of ``tx``, or an error naming the part that mixes.
+"""The errors for a ``tx`` that ``plan.cut`` cannot cut per parameter.
 
-:func:`cut` is ``plan.make`` with the refusal worded for the user: it names
-the innermost part of ``tx`` that has no cut, by the optax factory that
-made it.
+Each names the innermost part of ``tx`` at fault by the optax factory
+that made it and says what to use instead; ``plan.py`` calls them once
+its cut has failed.
 """
 
-from typing import Any
+from typing import Any, Callable
 
-import jax
-import jax.numpy as jnp
 import optax
-
-from immgrad._src import plan as plan_lib
 
 _NOT_SEPARABLE = (
   "immgrad.shim({name}): this transformation does not act on each "
@@ -77,38 +73,6 @@ def _closure(fn) -> list:
   return values
 
 
-_PROBE = {
-  "a": jax.ShapeDtypeStruct((4, 3), jnp.float32),
-  "b": jax.ShapeDtypeStruct((5,), jnp.float32),
-}
-
-
-def _why_not_separable(
-  tx: optax.GradientTransformation, params: Any
-) -> str | None:
-  """Why ``tx`` has no per-parameter cut for ``params``, or None.
-
-  Structural, not numerical (``plan.py`` follows the data flow): a
-  numerical probe would miss a global-norm clip that happens not to
-  trigger on it (after adam, say).
-  """
-  try:
-    plan_lib.make(tx, params)
-  except plan_lib.NotSeparable as e:
-    return str(e)
-  return None
-
-
-def _applies_to(tx, params) -> bool:
-  """Whether ``tx`` runs at all on a tree shaped like ``params``."""
-  try:
-    state = jax.eval_shape(tx.init, params)
-    jax.eval_shape(tx.update, params, state, params)
-  except Exception:
-    return False
-  return True
-
-
 def _parts(tx: optax.GradientTransformation) -> list:
   """The transformations ``tx`` is built from, as far as its closures say.
 
@@ -132,18 +96,25 @@ def _parts(tx: optax.GradientTransformation) -> list:
   return found
 
 
-def _check_separable(tx: optax.GradientTransformation, params: Any) -> None:
-  """Raises, naming the innermost culprit, unless ``tx`` cuts for ``params``."""
-  why = _why_not_separable(tx, params)
-  if why is None:
-    return
+def not_separable(
+  tx: optax.GradientTransformation,
+  params: Any,
+  error: Exception,
+  why_not: Callable[[Any, Any], str | None],
+  runs_on: Callable[[Any, Any], bool],
+) -> ValueError:
+  """The error for a ``tx`` with no per-parameter cut for ``params``.
+
+  ``error`` says why ``tx`` has none; ``why_not(part, params)`` why a part
+  has none (None if it has one), ``runs_on(part, params)`` whether it runs
+  on them at all.
+  """
+  why = str(error)
   name = culprit = _tx_name(tx)
   parts = _parts(tx)
   while parts:
     for part in parts:
-      part_why = (
-        _why_not_separable(part, params) if _applies_to(part, params) else None
-      )
+      part_why = why_not(part, params) if runs_on(part, params) else None
       if part_why is not None:
         culprit, why, parts = _tx_name(part), part_why, _parts(part)
         break
@@ -152,43 +123,27 @@ def _check_separable(tx: optax.GradientTransformation, params: Any) -> None:
   if culprit != name:
     name = f"{name}: {culprit}"
   fix = _FIXES.get(culprit, _FIX)
-  raise ValueError(_NOT_SEPARABLE.format(name=name, why=why, fix=fix))
+  return ValueError(_NOT_SEPARABLE.format(name=name, why=why, fix=fix))
 
 
-def cut(tx: optax.GradientTransformation, params: Any) -> plan_lib.Plan:
-  """``tx``'s per-parameter programs for ``params``, or an error naming it.
-
-  It searches ``tx``'s parts (``chain``'s members, a wrapper's inner
-  transformation, as far as their closures show) for the innermost one that
-  has no cut.
-  """
-  try:
-    return plan_lib.make(tx, params)
-  except plan_lib.NotSeparable:
-    _check_separable(tx, params)
-    raise
-  except Exception as e:
-    name = culprit = _tx_name(tx)
-    parts = _parts(tx)
-    while parts:
-      failing = [p for p in parts if not _applies_to(p, params)]
-      if not failing:
-        break
-      culprit, parts = _tx_name(failing[0]), _parts(failing[0])
-    if culprit != name:
-      name = f"{name}: {culprit}"
-    raise ValueError(
-      f"immgrad.shim({name}): the optimizer fails on these params: "
-      f"{type(e).__name__}: {e}. An option shaped like the params (a mask, "
-      "multi_transform labels) must have the params' tree structure."
-    ) from e
-
-
-def check(tx: optax.GradientTransformation) -> None:
-  """Refuses ``tx`` early, on a probe tree, if it shows ``tx`` mixes leaves.
-
-  A ``tx`` that needs the params' own tree (a mask shaped like them) does
-  not run on the probe: it is checked at ``init``, on the real params.
-  """
-  if _applies_to(tx, _PROBE):
-    cut(tx, _PROBE)
+def fails_on(
+  tx: optax.GradientTransformation,
+  params: Any,
+  error: Exception,
+  runs_on: Callable[[Any, Any], bool],
+) -> ValueError:
+  """The error for a ``tx`` that fails on ``params`` (with ``error``)."""
+  name = culprit = _tx_name(tx)
+  parts = _parts(tx)
+  while parts:
+    failing = [p for p in parts if not runs_on(p, params)]
+    if not failing:
+      break
+    culprit, parts = _tx_name(failing[0]), _parts(failing[0])
+  if culprit != name:
+    name = f"{name}: {culprit}"
+  return ValueError(
+    f"immgrad.shim({name}): the optimizer fails on these params: "
+    f"{type(error).__name__}: {error}. An option shaped like the params (a "
+    "mask, multi_transform labels) must have the params' tree structure."
+  )

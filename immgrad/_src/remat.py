@@ -82,8 +82,7 @@ def checkpoint(
     origin = object()
 
     def inner(channels, flag, *args, **call_kwargs):
-      nested = step.nested()
-      nested.flag = flag
+      nested = step.nested(flag)
       views = jax.tree.leaves((args, call_kwargs))
       for (i, slot), (weight, state, probe) in zip(found, channels):
         nested.add(

@@ -80,14 +80,17 @@ def scan(
         f"immgrad.scan: parameter {slot.path} in xs is a scalar; stacked "
         "parameters need a leading layer axis."
       )
+  settings = step.settings
   one_layer = plan_lib.sliced(
-    step.tx, step.params, {slot.index: slot.depth + 1 for _, slot in stacked}
+    settings.tx,
+    settings.params,
+    {slot.index: slot.depth + 1 for _, slot in stacked},
   )
   channels, programs = [], []  # Per stacked parameter: scanned, one layer's.
   for i, slot in stacked:
     layer = one_layer.leaves[slot.index]
     split = stacked_lib.state_axes(
-      slot.program, layer, slot.state, step.shared, slot.path
+      slot.program, layer, slot.state, settings.shared, slot.path
     )
     layers = jnp.shape(leaves[i])[0]
     # A shared leaf is repeated per layer: closed over instead, a value
@@ -97,9 +100,9 @@ def scan(
     state = [
       a if axis == 0 else jnp.broadcast_to(a, (layers,) + a.shape)
       for a, axis in zip(slot.state, split)
-      if step.steps_in_backward
+      if settings.steps_in_backward
     ]
-    probe = [slot.probe] if step.measure_dx else []
+    probe = [slot.probe] if settings.measure_dx else []
     channels.append([slot.weight] + probe + state)
     programs.append(layer)
   # The loop scans the leaves of xs, then each stacked parameter's channels.
@@ -114,7 +117,7 @@ def scan(
       stacked, starts, channels, programs
     ):
       weight, *state = scanned[start : start + len(c)]
-      probe = state.pop(0) if step.measure_dx else None
+      probe = state.pop(0) if settings.measure_dx else None
       inner_slot = context.Slot(
         path=f"{slot.path} (one layer of immgrad.scan)",
         view=None,
@@ -136,7 +139,7 @@ def scan(
 
   views = {i: n for n, (i, _) in enumerate(stacked)}
   weights = {start: n for n, start in enumerate(starts[:-1])}
-  if step.measure_dx:  # A probe channel follows each weight channel.
+  if settings.measure_dx:  # A probe channel follows each weight channel.
     weights.update({start + 1: n for n, start in enumerate(starts[:-1])})
 
   def needs_cotangent(j):

@@ -3,7 +3,7 @@
 Its state is ``tx``'s own, in optax's layout. Each parameter is stepped by
 its own program, cut out of ``tx.update`` (``plan.py``), so that each step is
 the one plain optax takes; a ``tx`` that mixes parameters is refused
-(``refusal.py``).
+(``plan.cut``).
 """
 
 from typing import Any
@@ -15,7 +15,6 @@ import optax
 
 from immgrad._src import commit as commit_lib
 from immgrad._src import plan as plan_lib
-from immgrad._src import refusal
 from immgrad._src.base import ImmediateGrad
 from immgrad._src.base import ShimState
 from immgrad._src.base import ShimTransformation
@@ -106,11 +105,11 @@ def shim(
     Array([0.8, 0.8], dtype=float32)
   """
   tx = _as_transformation(tx)
-  refusal.check(tx)
+  plan_lib.check(tx)
 
   def init_fn(params):
     _check_params(params)
-    refusal.cut(tx, params)
+    plan_lib.cut(tx, params)
     return ShimState(inner=tx.init(params), rejected=jnp.zeros((), jnp.int32))
 
   def update_fn(updates, state, params=None):
@@ -124,7 +123,7 @@ def shim(
     grads = flatten_like(treedef, updates, "grads")
     for path, g, (_, p) in zip(paths, grads, keyed):
       _check_like(path, _value_of(g), p)
-    plan = refusal.cut(tx, params)
+    plan = plan_lib.cut(tx, params)
     step = commit_lib.Step(tx, params, plan, paths, grads)
     updates, new, ok = step.commit(state_leaves(plan, state), atomic)
     rejected = state.rejected

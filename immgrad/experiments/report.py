@@ -296,7 +296,7 @@ def rounded_run(record: dict) -> dict:
   >>> rounded_run({"losses": [2.718281828], "seconds": [0.0261234567]})
   {'losses': [2.7183], 'seconds': [0.026123]}
   """
-  out = dict(
+  out: dict[str, Any] = dict(
     record,
     losses=_rounded(record["losses"], LOSS_DIGITS),
     seconds=_rounded(record["seconds"], SECONDS_DIGITS),

@@ -8,6 +8,7 @@ sqrt(n)``.
 """
 
 import math
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -73,7 +74,7 @@ def t_quantile(q: float, dof: int) -> float:
   return (low + high) / 2
 
 
-def paired(method: list, plain: list) -> dict:
+def paired(method: Sequence, plain: Sequence) -> dict:
   """Per-seed differences ``method - plain``: mean and 95% t interval.
 
   >>> d = paired([2.0, 4.0, 6.0], [1.0, 2.0, 3.0])  # Differences 1, 2, 3.
@@ -135,7 +136,7 @@ def against_plain(runs: dict, steps: int, target: float | None) -> dict:
       k: [s for s in seeds if runs[s][k][0].diverged_at is not None]
       for k in (m, "plain")
     }
-    row = {"seeds": seeds}
+    row: dict[str, Any] = {"seeds": seeds}
     if any(diverged.values()):
       row["diverged"] = {k: v for k, v in diverged.items() if v}
       out[m] = row

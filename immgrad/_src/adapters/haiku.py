@@ -2,7 +2,7 @@
 
 :func:`immgrad.immediate` over the transform's params that ``fn`` reads, run
 in a Haiku frame holding the traced params, state and rng. That frame
-(``haiku._src.stateful``) is private Haiku API, confined to this module;
+(``haiku._src.stateful``) is private Haiku API, confined to ``haiku_private.py``;
 ``tests/test_haiku_models.py`` checks it exists and trains through it.
 """
 
@@ -12,15 +12,15 @@ import threading
 from typing import Any, Callable, Sequence
 
 import haiku as hk
-from haiku._src import stateful as hk_stateful
 import jax
 import jax.core
 from jax.extend import core as jex_core
 import jax.numpy as jnp
 
-from immgrad._src import adapters
 from immgrad._src import auto
 from immgrad._src import context
+from immgrad._src.adapters import common
+from immgrad._src.adapters import haiku_private
 
 _NAME = "immgrad.haiku.immediate"
 
@@ -125,11 +125,8 @@ def immediate(
     ...     lambda x: Scale()(hk.Linear(2)(x)),
     ...     modules=immgrad.haiku.DEFAULT_MODULES + (Scale,))
   """
-  if not callable(fn):
-    raise TypeError(
-      f"immgrad.haiku.immediate expects a Haiku forward function, got {fn!r}."
-    )
-  chosen = adapters.check_modules(
+  common.check_callable(fn, _NAME, "a Haiku forward function")
+  chosen = common.check_modules(
     modules, (hk.Module,), _NAME, "hk.Module", "(hk.Linear, hk.Conv2D)"
   )
   units = (DEFAULT_MODULES if chosen is None else chosen) + IMMEDIATE_CLASSES
@@ -170,7 +167,7 @@ def _step(
   ``hk.mixed_precision``) is parameter-only preprocessing of its layer.
   """
   params = hk.get_params()
-  outer = hk_stateful.internal_state(params=False)
+  outer = haiku_private.frame(params=False)
   owners = _owners(fn, params, outer, args, kwargs)
   mine, others = {}, {}
   for bundle, leaves in params.items():
@@ -183,7 +180,7 @@ def _step(
         mine.setdefault(bundle, {})[name] = leaf
       elif stepped and isinstance(leaf, jax.core.Tracer):
         raise ValueError(
-          _COPY.format(path=f"{bundle}/{name}", fn=adapters.name(fn))
+          _COPY.format(path=f"{bundle}/{name}", fn=common.name(fn))
         )
       else:
         others.setdefault(bundle, {})[name] = leaf
@@ -193,23 +190,21 @@ def _step(
   # own layer, so the backward pass is plain's, operation for operation:
   # a unit would sum the cotangents of its input's uses inside itself,
   # a different float association (bfloat16 models round it apart).
-  whole = step.dx_at != 0 or step.measure_dx
-  intercept = functools.partial(_unit, units) if whole else _through
+  intercept = functools.partial(_unit, units) if _by_module(step) else _through
 
   def call(mine, others, state, rng, args, kwargs):
     full = {b: {**others.get(b, {}), **mine.get(b, {})} for b in params}
-    inner = hk_stateful.InternalState(full, state, rng)
-    with hk_stateful.temporary_internal_state(inner, share_python_state=True):
+    with haiku_private.running_in(full, state, rng, share_python_state=True):
       with hk.intercept_methods(intercept):
         out = fn(*args, **kwargs)
-      after = hk_stateful.internal_state(params=False)
+      after = haiku_private.frame(params=False)
     return out, after.state, after.rng
 
   with _running():
     out, state, rng = auto.immediate(call, strict=strict)(
       mine, others, outer.state, outer.rng, args, kwargs
     )
-  hk_stateful.update_internal_state(hk_stateful.InternalState(None, state, rng))
+  haiku_private.write_back(state, rng)
   return out
 
 
@@ -225,10 +220,20 @@ def _as_units(fn, units, step, args, kwargs):
   inside it, and ``mode="updated"`` takes dX of the whole module at its new
   weights.
   """
-  if step.dx_at == 0 and not step.measure_dx:
+  if not _by_module(step):
     return fn(*args, **kwargs)
   with hk.intercept_methods(functools.partial(_unit, units)):
     return fn(*args, **kwargs)
+
+
+def _by_module(step) -> bool:
+  """Whether each chosen module's call is one unit: where the step takes dX
+  at other weights than the old ones. Not in ``immgrad.layers``' survey,
+  which reports ``mode="current"``'s layers.
+  """
+  return isinstance(step, context.Registry) and (
+    step.settings.dx_at != 0 or step.settings.measure_dx
+  )
 
 
 def _owners(fn, params, outer, args, kwargs) -> dict:
@@ -254,13 +259,12 @@ def _owners(fn, params, outer, args, kwargs) -> dict:
     for i, value in zip(positions, dynamic):
       full[i] = value
     args, kwargs = treedef.unflatten(full)
-    inner = hk_stateful.InternalState(params, state, rng)
-    with hk_stateful.temporary_internal_state(inner), _running():
+    with haiku_private.running_in(params, state, rng), _running():
       with hk.custom_getter(record):
         fn(*args, **kwargs)
 
   leaves, treedef = jax.tree.flatten((args, kwargs))
-  positions = [i for i, leaf in enumerate(leaves) if _is_array_like(leaf)]
+  positions = [i for i, leaf in enumerate(leaves) if common.is_array(leaf)]
   jax.eval_shape(
     probe, params, outer.state, outer.rng, [leaves[i] for i in positions]
   )
@@ -280,14 +284,6 @@ def _owner(owners: dict, bundle: str, name: str) -> tuple[bool, type | None]:
     return True, owners[bundle, name]
   inner = [b for b, n in owners if n == name and bundle.endswith("/" + b)]
   return (True, owners[max(inner, key=len), name]) if inner else (False, None)
-
-
-def _is_array_like(x) -> bool:
-  return (
-    isinstance(x, (jax.Array, jax.ShapeDtypeStruct))
-    or hasattr(x, "__jax_array__")
-    or type(x).__module__ == "numpy"
-  )
 
 
 def _through(next_f, args, kwargs, ctx):
@@ -312,25 +308,27 @@ def _unit(chosen, next_f, args, kwargs, ctx):
     return next_f(*args, **kwargs)
   prefix = module.module_name
   own = lambda b: b == prefix or b.startswith(prefix + "/")
-  frame = hk_stateful.internal_state()
+  frame = haiku_private.frame()
   params = {b: p for b, p in frame.params.items() if own(b)}
   state = {b: s for b, s in frame.state.items() if own(b)}
   leaves, treedef = jax.tree.flatten((params, state, frame.rng, args, kwargs))
-  positions = [i for i, leaf in enumerate(leaves) if _is_array_like(leaf)]
+  positions = [i for i, leaf in enumerate(leaves) if common.is_array(leaf)]
 
   def body(*dynamic):
     full = list(leaves)
     for i, value in zip(positions, dynamic):
       full[i] = value
     p, s, rng, a, kw = treedef.unflatten(full)
-    inner = hk_stateful.InternalState(
-      {**frame.params, **p}, {**frame.state, **s}, rng
-    )
     outer, _local.unit = getattr(_local, "unit", False), True
     try:
-      with hk_stateful.temporary_internal_state(inner, share_python_state=True):
+      with haiku_private.running_in(
+        {**frame.params, **p},
+        {**frame.state, **s},
+        rng,
+        share_python_state=True,
+      ):
         out = next_f(*a, **kw)
-        after = hk_stateful.internal_state(params=False)
+        after = haiku_private.frame(params=False)
     finally:
       _local.unit = outer
     mine = {b: v for b, v in after.state.items() if own(b)}
@@ -341,7 +339,7 @@ def _unit(chosen, next_f, args, kwargs, ctx):
   )
   flat = _bound(closed.jaxpr)(closed.consts, [leaves[i] for i in positions])
   out, state, rng = jax.tree.unflatten(jax.tree.structure(shape), flat)
-  hk_stateful.update_internal_state(hk_stateful.InternalState(None, state, rng))
+  haiku_private.write_back(state, rng)
   return out
 
 

@@ -5,22 +5,14 @@ arguments; ``modules=`` keeps those whose innermost ``eqx.Module`` (found by
 walking the pytree) is one of the given classes.
 """
 
-import functools
 from typing import Any, Callable, Sequence
 
 import equinox as eqx
 import jax
 
-from immgrad._src import adapters
-from immgrad._src import auto
-from immgrad._src import context
+from immgrad._src.adapters import common
 
 _NAME = "immgrad.equinox.immediate"
-_NO_PARAMETERS = (
-  "immgrad.equinox.immediate: {fn} was called in a step with none of the "
-  "step's parameters among its arguments. Parameters it closes over would "
-  "train ordinarily: pass them to it (as the loss gets them)."
-)
 
 DEFAULT_MODULES = (
   eqx.nn.Linear,
@@ -90,29 +82,19 @@ def immediate(
     >>> linear_only = immgrad.equinox.immediate(
     ...     linear_loss, modules=(eqx.nn.Linear,))
   """
-  if not callable(fn):
-    raise TypeError(
-      f"immgrad.equinox.immediate expects a function, got {fn!r}."
-    )
-  chosen = adapters.check_modules(
+  common.check_callable(fn, _NAME, "a function")
+  chosen = common.check_modules(
     modules, (eqx.Module,), _NAME, "eqx.Module", "(eqx.nn.Linear,)"
   )
 
-  @functools.wraps(fn)
-  def wrapped(*args, **kwargs):
-    step = context.current() or auto.surveying()
-    if step is None:
-      return fn(*args, **kwargs)
-    keyed, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
-    found = [step.find(leaf, _NAME) is not None for _, leaf in keyed]
-    if not any(found):
-      raise ValueError(_NO_PARAMETERS.format(fn=adapters.name(fn)))
-    if chosen is not None:
-      owned = _owned(chosen, (args, kwargs))
-      found = [f and o for f, o in zip(found, owned)]
-    return adapters.step_chosen(fn, keyed, treedef, found, strict)
+  if chosen is None:
+    return common.wrap(fn, _NAME, strict)
 
-  return wrapped
+  def owned(tree, keyed, treedef, found):
+    del keyed, treedef
+    return [f and o for f, o in zip(found, _owned(chosen, tree))]
+
+  return common.wrap(fn, _NAME, strict, owned)
 
 
 def _owned(chosen: tuple[type, ...], tree: Any) -> list[bool]:

@@ -14,16 +14,9 @@ from flax import linen as nn
 from flax import nnx
 import jax
 
-from immgrad._src import adapters
-from immgrad._src import auto
-from immgrad._src import context
+from immgrad._src.adapters import common
 
 _NAME = "immgrad.flax.immediate"
-_NO_PARAMETERS = (
-  "immgrad.flax.immediate: {fn} was called in a step with none of the "
-  "step's parameters among its arguments. Parameters it closes over would "
-  "train ordinarily: pass them to it (as the loss gets them)."
-)
 _NO_GRAPH = (
   "immgrad.flax.immediate: modules= needs the NNX model to know which "
   "module holds parameter {leaf}, and {fn} neither takes the model (an "
@@ -126,12 +119,8 @@ def immediate(
     >>> type(grads["scale"]).__name__, type(grads["Dense_0"]["kernel"]).__name__
     ('ImmediateGrad', 'ImmediateGrad')
   """
-  if not callable(fn):
-    raise TypeError(
-      f"immgrad.flax.immediate expects a function that calls Flax "
-      f"modules, got {fn!r}."
-    )
-  chosen = adapters.check_modules(
+  common.check_callable(fn, _NAME, "a function that calls Flax modules")
+  chosen = common.check_modules(
     modules,
     (nnx.Module, nn.Module),
     _NAME,
@@ -139,23 +128,16 @@ def immediate(
     "(nnx.Linear, nn.Dense)",
   )
 
-  @functools.wraps(fn)
-  def wrapped(*args, **kwargs):
-    step = context.current() or auto.surveying()
-    if step is None:
-      return fn(*args, **kwargs)
-    keyed, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
-    found = [step.find(leaf, _NAME) is not None for _, leaf in keyed]
-    if not any(found):
-      raise ValueError(_NO_PARAMETERS.format(fn=adapters.name(fn)))
-    if chosen is not None:
-      owners = _owners(fn, (args, kwargs), keyed, treedef, found)
-      found = [
-        i in owners and issubclass(owners[i], chosen) for i in range(len(found))
-      ]
-    return adapters.step_chosen(fn, keyed, treedef, found, strict)
+  if chosen is None:
+    return common.wrap(fn, _NAME, strict)
 
-  return wrapped
+  def owned(tree, keyed, treedef, found):
+    owners = _owners(fn, tree, keyed, treedef, found)
+    return [
+      i in owners and issubclass(owners[i], chosen) for i in range(len(found))
+    ]
+
+  return common.wrap(fn, _NAME, strict, owned)
 
 
 def _owners(fn, tree, keyed: list, treedef, candidates: list) -> dict:
@@ -184,8 +166,8 @@ def _owners(fn, tree, keyed: list, treedef, candidates: list) -> dict:
   in_state = _in_nnx_state(tree)
   for i, c in enumerate(candidates):
     if c and i not in owners and in_state[i]:
-      leaf = adapters.place(keyed[i][0])
-      raise ValueError(_NO_GRAPH.format(leaf=leaf, fn=adapters.name(fn)))
+      leaf = common.place(keyed[i][0])
+      raise ValueError(_NO_GRAPH.format(leaf=leaf, fn=common.name(fn)))
   return owners
 
 
@@ -279,7 +261,7 @@ def _linen_table(fn, leaves: list, treedef) -> dict:
           table[scope + (name,)] = type(module)
     return next_fun(*args, **kwargs)
 
-  dynamic = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
+  dynamic = [i for i, leaf in enumerate(leaves) if common.is_array(leaf)]
 
   def probe(values):
     full = list(leaves)

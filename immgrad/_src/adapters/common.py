@@ -1,22 +1,38 @@
-"""What the three library adapters share: ``modules=`` and the hand-off.
+"""What the three library adapters share: ``modules=``, the wrapper and the
+hand-off.
 
-Each adapter (``haiku_immediate.py``, ``flax_immediate.py``,
-``equinox_immediate.py``) decides which parameter leaves of ``fn``'s
-arguments :func:`immgrad.immediate` may step, and hands those over here.
+Each adapter (``haiku.py``, ``flax.py``, ``equinox.py``) decides which
+parameter leaves of ``fn``'s arguments :func:`immgrad.immediate` may step,
+and hands those over here. All raise ``TypeError`` for a wrong argument
+(``fn``, ``modules=``) and ``ValueError`` for a call that cannot step.
 """
 
+import functools
 from typing import Any, Callable, Sequence
 
 import jax
 
 from immgrad._src import auto
+from immgrad._src import context
 
+_NOT_CALLABLE = "{adapter} expects {what}, got {fn!r}."
+_NO_PARAMETERS = (
+  "{adapter}: {fn} was called in a step with none of the step's parameters "
+  "among its arguments. Parameters it closes over would train ordinarily: "
+  "pass them to it (as the loss gets them)."
+)
 _BAD_MODULES = (
   "{adapter}: modules= takes a tuple of {kind} classes, such as "
   "{example}, got {got}. Leave it out to step every parameter of the "
   "model, or add your own classes to the library's: "
   "modules={package}.DEFAULT_MODULES + (MyModule,)."
 )
+
+
+def check_callable(fn, adapter: str, what: str) -> None:
+  """Raises TypeError, naming ``adapter``, unless ``fn`` is callable."""
+  if not callable(fn):
+    raise TypeError(_NOT_CALLABLE.format(adapter=adapter, what=what, fn=fn))
 
 
 def check_modules(
@@ -58,6 +74,48 @@ def _culprit(modules, base: tuple[type, ...]) -> str:
     modules,
   )
   return bad.__name__ if isinstance(bad, type) else f"a {type(bad).__name__}"
+
+
+def wrap(
+  fn: Callable[..., Any],
+  adapter: str,
+  strict: bool,
+  owned: Callable[[Any, list, Any, list[bool]], list[bool]] | None = None,
+) -> Callable[..., Any]:
+  """``fn``, stepping the step's parameter leaves among its arguments.
+
+  Inside a step (or ``immgrad.layers``' survey) ``fn`` runs through
+  :func:`step_chosen` with those leaves; outside, as it is. ``owned``, if
+  given, narrows them: ``owned((args, kwargs), keyed, treedef, found)`` is,
+  for each leaf, whether to step it (``found``: it is a parameter).
+  """
+
+  @functools.wraps(fn)
+  def wrapped(*args, **kwargs):
+    step = context.current() or auto.surveying()
+    if step is None:
+      return fn(*args, **kwargs)
+    keyed, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
+    found = [step.find(leaf, adapter) is not None for _, leaf in keyed]
+    if not any(found):
+      raise ValueError(_NO_PARAMETERS.format(adapter=adapter, fn=name(fn)))
+    if owned is not None:
+      found = owned((args, kwargs), keyed, treedef, found)
+    return step_chosen(fn, keyed, treedef, found, strict)
+
+  return wrapped
+
+
+def is_array(x) -> bool:
+  """Whether ``x`` is an array argument (a JAX or NumPy array, a shape, or
+  anything with ``__jax_array__``): abstract runs of ``fn`` trace these and
+  keep every other leaf as it is, as ``jit`` does.
+  """
+  return (
+    isinstance(x, (jax.Array, jax.ShapeDtypeStruct))
+    or hasattr(x, "__jax_array__")
+    or type(x).__module__ == "numpy"
+  )
 
 
 def name(fn) -> str:
