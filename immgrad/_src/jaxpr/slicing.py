@@ -1,8 +1,8 @@
 """Which values a program's inputs reach, and which equations its outputs need."""
 
+from collections.abc import Callable, Container, Sequence
 import functools
 import operator
-from typing import Callable, Sequence
 
 from jax.extend import core as jex_core
 
@@ -87,7 +87,7 @@ def needed(
   eqns: Sequence,
   outs: Sequence,
   *,
-  stop=frozenset(),
+  stop: Container = frozenset(),
   effects: bool = False,
   prune: bool = False,
 ) -> tuple[list, set]:
