@@ -10,7 +10,7 @@ from immgrad._src import compat
 CALLS = frozenset({"jit", "pjit", "closed_call", "core_call"})
 
 
-def inner(eqn, names=CALLS) -> jex_core.ClosedJaxpr | None:
+def inner(eqn, names: frozenset | None = CALLS) -> jex_core.ClosedJaxpr | None:
   """The program ``eqn`` runs, if its primitive is among ``names``.
 
   Args:

@@ -10,7 +10,7 @@ from immgrad._src import compat
 from immgrad._src.jaxpr.equation import inner
 
 
-def label(env: dict, v, bottom=False):
+def label(env: dict, v, bottom: bool | int = False):
   """The label :func:`reach` gave ``v`` (``bottom`` for literals, constants)."""
   if isinstance(v, jex_core.Literal):
     return bottom
@@ -21,7 +21,7 @@ def reach(
   jaxpr: jex_core.Jaxpr,
   labels: Sequence,
   rule: Callable | None = None,
-  bottom=False,
+  bottom: bool | int = False,
 ) -> dict:
   """Labels every value of ``jaxpr`` with the inputs it depends on.
 
