@@ -58,9 +58,9 @@ def dce_rules() -> dict:
   """JAX's dead-code rules for equations with inner programs (by primitive).
 
   Private in every release we support (``partial_eval.dce_rules``, each
-  ``rule(used_outputs, eqn) -> (used_inputs, eqn or None)``); ``plan.py``
-  uses them to cut a ``cond`` over the whole tree down to one parameter's
-  outputs.
+  ``rule(used_outputs, eqn) -> (used_inputs, eqn or None)``);
+  ``jaxpr.needed`` uses them for ``plan.py``, to cut a ``cond`` over the
+  whole tree down to one parameter's outputs.
   """
   from jax._src.interpreters import partial_eval
 

@@ -72,7 +72,7 @@ def report(ordinary: dict, given: int, paths: list, strict: bool) -> None:
   """Warns (``strict``: raises) if any leaf in ``ordinary`` is used.
 
   Args:
-    ordinary: leaf index -> ``auto.Reason``.
+    ordinary: leaf index -> ``auto_program.Reason``.
     given: how many floating-point parameter leaves the function was given.
     paths: each leaf's path, by index.
     strict: raise ``ValueError`` instead of warning.

@@ -8,13 +8,14 @@ into one program per parameter and one for the shared state
 
 import dataclasses
 import functools
+import operator
 from typing import Any, Sequence
 
 import jax
 from jax.extend import core as jax_core
 import jax.numpy as jnp
 
-from immgrad._src import compat
+from immgrad._src import jaxpr as jaxpr_lib
 from immgrad._src import refusal
 
 _SHARED = -1  # Owner of a state leaf that belongs to no parameter.
@@ -200,13 +201,12 @@ def _make(tx, params_def, param_avals) -> Plan:
   for i in range(n):
     writes = tuple(k for k in range(m) if owner[k] == i)
     outs = [update_out[i]] + [state_out[k] for k in writes]
-    sub, used = _slice(closed, outs)
-    used = set(used)
+    kept, used = _slice(closed, outs)
     reads = tuple(k for k in range(m) if state_in[k] in used)
     ins = [grad_in[i], param_in[i]] + [state_in[k] for k in reads]
     leaves.append(
       LeafProgram(
-        _as_jaxpr(sub, ins, outs),
+        jaxpr_lib.subprogram(closed, kept, ins, outs),
         reads,
         writes,
         tuple(state_avals[k] for k in reads),
@@ -216,9 +216,10 @@ def _make(tx, params_def, param_avals) -> Plan:
     )
   shared_positions = tuple(k for k in range(m) if owner[k] == _SHARED)
   shared_outs = [state_out[k] for k in shared_positions]
-  sub, _ = _slice(closed, shared_outs)
+  kept, _ = _slice(closed, shared_outs)
+  shared_in = [state_in[k] for k in shared_positions]
   shared = jax_core.jaxpr_as_fun(
-    _as_jaxpr(sub, [state_in[k] for k in shared_positions], shared_outs)
+    jaxpr_lib.subprogram(closed, kept, shared_in, shared_outs)
   )
   return Plan(tuple(leaves), shared, shared_positions, state_def, state_avals)
 
@@ -229,68 +230,30 @@ def _taint(jaxpr, inputs: list) -> list:
   Exact through calls and per branch of a ``cond``; any other equation
   with an inner program (loops) is taken to mix all its inputs.
   """
-  env = dict(zip(jaxpr.invars, inputs))
-  read = lambda v: 0 if isinstance(v, jax_core.Literal) else env.get(v, 0)
-  for eqn in jaxpr.eqns:
-    ins = [read(v) for v in eqn.invars]
-    inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-    inner = getattr(inner, "jaxpr", inner)
-    if eqn.primitive.name == "cond":  # Either branch may run.
-      index, operands = ins[0], ins[1:]
-      branches = [_taint(b.jaxpr, operands) for b in eqn.params["branches"]]
-      outs = [
-        functools.reduce(lambda a, b: a | b, o, index) for o in zip(*branches)
-      ]
-    elif inner is not None and len(inner.invars) == len(ins):
-      outs = _taint(inner, ins)
-    else:
-      everything = functools.reduce(lambda a, b: a | b, ins, 0)
-      outs = [everything] * len(eqn.outvars)
-    env.update(zip(eqn.outvars, outs))
-  return [read(v) for v in jaxpr.outvars]
+  env = jaxpr_lib.reach(jaxpr, inputs, _taint_rule, bottom=0)
+  return [jaxpr_lib.label(env, v, 0) for v in jaxpr.outvars]
 
 
-def _slice(closed, outs: list):
+def _taint_rule(eqn, ins: list) -> list | None:
+  """:func:`_taint` of a ``cond`` or a call; None: mixes all its inputs."""
+  if eqn.primitive.name == "cond":  # Either branch may run.
+    index, operands = ins[0], ins[1:]
+    branches = [_taint(b.jaxpr, operands) for b in eqn.params["branches"]]
+    return [functools.reduce(operator.or_, o, index) for o in zip(*branches)]
+  inner = jaxpr_lib.inner(eqn, names=None)
+  if inner is not None and len(inner.jaxpr.invars) == len(ins):
+    return _taint(inner.jaxpr, ins)
+  return None
+
+
+def _slice(closed, outs: list) -> tuple[list, set]:
   """The equations of ``closed`` that ``outs`` need, and the vars they read.
 
   An equation with an inner program (a ``cond`` over the whole tree, say)
-  is cut down to the outputs needed, by JAX's own dead-code rules.
+  is cut down to the outputs needed, by JAX's own dead-code rules; one
+  with effects is kept.
   """
-  needed = {v for v in outs if not isinstance(v, jax_core.Literal)}
-  kept = []
-  for eqn in reversed(closed.jaxpr.eqns):
-    used = [v in needed for v in eqn.outvars]
-    if not any(used) and not eqn.effects:
-      continue
-    rule = compat.dce_rules().get(eqn.primitive)
-    if rule is not None and not all(used):
-      _, eqn = rule(used, eqn)
-      if eqn is None:
-        continue
-    kept.append(eqn)
-    needed.update(v for v in eqn.invars if not isinstance(v, jax_core.Literal))
-  return (closed, kept[::-1]), needed
-
-
-def _as_jaxpr(sub, ins: list, outs: list) -> jax_core.ClosedJaxpr:
-  """The program computing ``outs`` from ``ins`` with ``sub``'s equations."""
-  closed, eqns = sub
-  jaxpr = closed.jaxpr.replace(
-    invars=list(ins),
-    outvars=list(outs),
-    eqns=eqns,
-    effects=frozenset().union(*(e.effects for e in eqns)),
-    debug_info=_debug_info(closed.jaxpr, ins, outs),
+  kept, needed = jaxpr_lib.needed(
+    closed.jaxpr.eqns, outs, effects=True, prune=True
   )
-  return jax_core.ClosedJaxpr(jaxpr, closed.consts)
-
-
-def _debug_info(jaxpr, ins, outs) -> Any | None:
-  info = jaxpr.debug_info
-  if info is None or not hasattr(info, "_replace"):
-    return info
-  names = dict(zip(jaxpr.invars, info.arg_names or ()))
-  return info._replace(
-    arg_names=tuple(names.get(v, "") for v in ins),
-    result_paths=tuple("" for _ in outs),
-  )
+  return [eqn for eqn, _ in kept], needed

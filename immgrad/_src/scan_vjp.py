@@ -14,7 +14,7 @@ from jax.extend import core as jex_core
 import jax.numpy as jnp
 import numpy as np
 
-from immgrad._src import invariant
+from immgrad._src import jaxpr as jaxpr_lib
 
 
 def scan(
@@ -80,7 +80,7 @@ def scan(
     n_out = len(jax.tree.leaves(traced["out"]))
     inputs = {v: k - n_carry for k, v in enumerate(program.jaxpr.invars)}
     fixed = [None] * (n_carry + len(xs)) + list(consts)
-    loose = invariant.varying(program.jaxpr, [a is None for a in fixed])
+    loose = jaxpr_lib.varying(program.jaxpr, [a is None for a in fixed])
     spec, sources, saved, once = [], {}, [], []  # once: made before the loop.
     for k, v in enumerate(program.jaxpr.outvars[n_out:], n_out):
       key = ("literal", k) if isinstance(v, jex_core.Literal) else v
@@ -100,7 +100,7 @@ def scan(
       spec.append(sources[key])
     traced["spec"] = spec
     wanted = [k in once for k in range(len(loose))]
-    made = invariant.evaluate(program, fixed, wanted)
+    made = jaxpr_lib.evaluate(program, fixed, wanted)
     made = [made[k] for k in once]
     run_program = jex_core.jaxpr_as_fun(program)
     out_tree = jax.tree.structure(traced["out"])

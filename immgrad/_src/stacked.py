@@ -13,6 +13,7 @@ from jax.extend import core as jax_core
 import jax.numpy as jnp
 import numpy as np
 
+from immgrad._src import jaxpr as jaxpr_lib
 from immgrad._src import plan as plan_lib
 
 _UNSPLITTABLE = (
@@ -234,5 +235,4 @@ def _pure(closed):
   if any(e.outvars for e in closed.jaxpr.eqns if e.effects):
     return None
   eqns = [e for e in closed.jaxpr.eqns if not e.effects]
-  jaxpr = closed.jaxpr.replace(eqns=eqns, effects=frozenset())
-  return jax_core.jaxpr_as_fun(jax_core.ClosedJaxpr(jaxpr, closed.consts))
+  return jax_core.jaxpr_as_fun(jaxpr_lib.subprogram(closed, eqns))
