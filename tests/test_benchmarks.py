@@ -432,3 +432,24 @@ def test_data_parallel_estimate_arithmetic():
   %add = f32[8,3]{1,0} add(%psum.1, %psum.1)
   """
   assert dp.compiled_collectives(hlo) == [2 * (1024 + 32), 4 * 24, 4]
+
+
+def test_largest_model_search_bisects_to_the_deepest_that_fits(monkeypatch):
+  """benchmarks.largest's bisection finds the deepest fitting model between
+  the bounds it is given, probing O(log) depths, none outside them.
+  """
+  from benchmarks import largest
+
+  probed = []
+
+  def fake_probe(method, blocks, *size):
+    probed.append(blocks)
+    fits = blocks <= 37
+    out = {"blocks": blocks, "parameters": 10 * blocks, "fits": fits}
+    return {**out, "peak_bytes": blocks} if fits else out
+
+  monkeypatch.setattr(largest, "probe", fake_probe)
+  result = largest.largest("plain", 64, 32, 256, 2, None, 16, 97)
+  assert result["largest"]["blocks"] == 37
+  assert len(probed) <= 7 and all(16 < b < 97 for b in probed)
+  assert 37 in probed and 38 in probed  # 37 fits and 38 does not.
