@@ -105,3 +105,17 @@ def test_a_state_leaf_that_reads_another_parameter_s_state_is_refused():
   tx = optax.GradientTransformation(init, update)
   with pytest.raises(plan.NotSeparable, match="new state of one parameter"):
     plan.make(tx, _params())
+
+
+def test_check_refuses_a_mixing_rule_early_and_leaves_masks_to_init():
+  """``check`` cuts ``tx`` on a probe tree; a ``tx`` whose mask is shaped
+  like the real params does not run on the probe and is left to be cut at
+  ``init``, where the real tree is known.
+  """
+  with pytest.raises(ValueError, match="clip_by_global_norm"):
+    plan.check(optax.clip_by_global_norm(1.0))
+  masked = optax.masked(optax.clip_by_global_norm(1.0), {"w": True, "v": True})
+  assert not plan.runs_on(masked, {"a": jnp.ones(2), "b": jnp.ones(2)})
+  plan.check(masked)  # Not refused yet: it needs params shaped like its mask.
+  with pytest.raises(ValueError, match="clip_by_global_norm"):
+    plan.cut(masked, {"w": jnp.ones(2), "v": jnp.ones(3)})
