@@ -2,7 +2,7 @@
 
 A parameter is stepped twice from the same values, in its layer's backward
 rule and by the shim once the step is known to be finite:
-:func:`step_parameter` is that one computation, :class:`Step` the shim's
+:func:`step_parameter` is that one computation, :class:`Commit` the shim's
 commit (``docs/design.md``, "Committing a step").
 """
 
@@ -32,7 +32,7 @@ def step_parameter(program: plan_lib.LeafProgram, grad, state, weights):
   return optax.apply_updates(weights, update), state
 
 
-def layers(
+def layer_programs(
   tx, params, plan, index: int, stacks: dict[int, int], state, path: str
 ) -> list:
   """Per layer axis of stacked parameter ``index``: program, state split.
@@ -141,7 +141,7 @@ def commit_layers(levels: list, grad, state, old_writes, weights, ok):
   return updates, [buffers[k] for k in program.writes]
 
 
-class Step:
+class Commit:
   """The shim's commit of one step: each parameter's update and new state.
 
   ``tx`` on ``params``, cut into per-parameter programs by ``plan``
@@ -186,7 +186,7 @@ class Step:
     return [update for update, _ in committed], new, ok
 
   def _levels(self, i: int, s: list) -> list:
-    return layers(
+    return layer_programs(
       self.tx, self.params, self.plan, i, self.stacks, s, self.paths[i]
     )
 

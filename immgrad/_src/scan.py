@@ -149,7 +149,7 @@ def scan(
       return inner_slots[weights[j]].layer is not None
     return j < len(leaves)  # The user's xs; state is not differentiated.
 
-  return scan_vjp.scan(
+  return scan_vjp.scan_with_vjp(
     body,
     init,
     leaves + sum(channels, []),

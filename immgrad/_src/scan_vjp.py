@@ -17,7 +17,7 @@ import numpy as np
 from immgrad._src import jaxpr as jaxpr_lib
 
 
-def scan(
+def scan_with_vjp(
   body: Callable,
   init: Any,
   xs: list,

@@ -124,7 +124,7 @@ def shim(
     for path, g, (_, p) in zip(paths, grads, keyed):
       _check_like(path, _value_of(g), p)
     plan = plan_lib.cut(tx, params)
-    step = commit_lib.Step(tx, params, plan, paths, grads)
+    step = commit_lib.Commit(tx, params, plan, paths, grads)
     updates, new, ok = step.commit(state_leaves(plan, state), atomic)
     rejected = state.rejected
     if ok is not None:
