@@ -403,6 +403,10 @@ def test_memory_floor_steps_are_adam_steps():
     np.testing.assert_allclose(m, want_state[0].mu, rtol=1e-6, atol=1e-9)
     np.testing.assert_allclose(v, want_state[0].nu, rtol=1e-6, atol=1e-12)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+  got_p, m, v, loss = memory_floor.through_vjp(p, zeros, zeros, x)
+  np.testing.assert_allclose(got_p, want_p, rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(m, want_state[0].mu, rtol=1e-6, atol=1e-9)
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
 
 
 def test_data_parallel_estimate_arithmetic():
