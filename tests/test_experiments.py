@@ -466,28 +466,58 @@ def _mode_summaries(*values, diverged=None):
   ]
 
 
-def test_compare_modes_rule():
+T_975_2 = 4.302653  # Student t, 0.975 quantile, 2 degrees of freedom.
+
+
+def test_compare_modes_verdict_is_the_paired_t_interval():
   per_method = {
     "plain": _mode_summaries(1.0, 1.1, 1.2),
     "a=0": _mode_summaries(1.0, 1.1, 1.2),
-    "a=0.5": _mode_summaries(0.5, 0.6, 0.95),  # Below a=0's best seed.
-    "a=1": _mode_summaries(0.5, 0.6, 1.05),  # Overlaps: no verdict.
+    # a=0 minus it: 0.1, 0.15, 0.1. Ranges overlap, the interval is > 0.
+    "a=0.5": _mode_summaries(0.9, 0.95, 1.1),
+    # 0.5, 0.5, -0.05: the interval holds 0.
+    "a=1": _mode_summaries(0.5, 0.6, 1.25),
+    # -0.15, -0.15, -0.1: ranges overlap, the interval is < 0.
+    "a=-0.5": _mode_summaries(1.15, 1.25, 1.3),
     "a=2": _mode_summaries(0.1, 0.1, math.nan, diverged={2: 5}),
   }
   c = report.compare_modes(per_method)
-  assert c["a=0.5"]["beats_range"] and not c["a=1"]["beats_range"]
-  assert c["a=0.5"]["paired_difference"] == pytest.approx(
-    np.mean([0.5, 0.5, 0.25])
-  )
+  # Hand-computed: mean ± t * sd / sqrt(3), sd of the three differences.
+  sd = math.sqrt((2 * (0.05 / 3) ** 2 + (0.1 / 3) ** 2) / 2)  # 0.028868.
+  half = T_975_2 * sd / math.sqrt(3)  # 0.071711.
+  assert c["a=0.5"]["paired_difference"] == pytest.approx(0.35 / 3)
+  assert c["a=0.5"]["low"] == pytest.approx(0.35 / 3 - half, abs=1e-6)
+  assert c["a=0.5"]["high"] == pytest.approx(0.35 / 3 + half, abs=1e-6)
+  assert c["a=0.5"]["verdict"] == "beats"
+  sd = math.sqrt((2 * (0.55 / 3) ** 2 + (1.1 / 3) ** 2) / 2)  # 0.317543.
+  assert c["a=1"]["low"] == pytest.approx(
+    0.95 / 3 - T_975_2 * sd / math.sqrt(3), abs=1e-6
+  )  # -0.47215.
+  assert c["a=1"]["verdict"] == "no difference shown"
+  assert c["a=-0.5"]["high"] == pytest.approx(-0.4 / 3 + half, abs=1e-6)
+  assert c["a=-0.5"]["verdict"] == "worse"
   assert "mean" not in c["a=2"] and c["a=2"]["diverged_at"] == [5]
-  assert report.best_mode(c) == "a=0.5"  # Diverged runs are not eligible.
+  assert "verdict" not in c["a=2"]
+  # The lowest mean, not a verdict; diverged runs (a=2) are not eligible.
+  assert report.best_mode(c) == "a=1"
+  text, result = report.mode_table(per_method, "nats", "title")
+  assert "| +0.12 [+0.045, +0.19] **beats** |" in text
+  assert "| -0.13 [-0.21, -0.062] worse |" in text
+  assert "| +0.32 [-0.47, +1.1] no difference shown |" in text
+  assert result["verdict"]["final_smoothed_train_loss"]["beat_a0"] == ["a=0.5"]
+  # One seed: no interval, no verdict.
+  c = report.compare_modes(
+    {"a=0": _mode_summaries(1.0), "a=1": _mode_summaries(0.5)}
+  )
+  assert c["a=1"]["paired_difference"] == 0.5 and c["a=1"]["low"] is None
+  assert c["a=1"]["verdict"] is None
   c = report.compare_modes(
     {
       "a=0": _mode_summaries(1.0, math.nan, diverged={1: 3}),
       "a=1": _mode_summaries(2.0, 2.0),
     }
   )
-  assert c["a=1"]["beats_range"] and c["a=1"]["baseline_diverged"]
+  assert c["a=1"]["verdict"] == "beats" and c["a=1"]["baseline_diverged"]
 
 
 # -- issue 28: the language-model task, split runs; issue 26: devices -----

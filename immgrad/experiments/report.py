@@ -17,6 +17,7 @@ import numpy as np
 import optax
 
 import immgrad
+from immgrad.experiments import stats
 from immgrad.experiments import train as train_lib
 
 # Printed under every table of a run.
@@ -39,13 +40,12 @@ DEFINITIONS = """Definitions, printed under every table:
   difference over the whole run is reported beside it;
 * *a* (mode sweep): dX is computed at ``W + a * (W_new - W)``: ``a=0`` is
   ``current`` (ordinary training), ``a=1`` is ``updated``;
-* *beats a=0 beyond the seed spread*: no seed diverged, and the method's
-  worst seed ends with a lower final smoothed training loss than a=0's
-  best seed (their ranges over seeds do not overlap). Beside it, the
-  paired difference (each seed's a=0 loss minus the method's, same
-  initialisation and batches) as mean ± standard error, flagged ``>2se``
-  when its mean exceeds twice its standard error (with 3 seeds, 2
-  degrees of freedom: a weak test, so the range rule is the verdict);
+* *beats a=0* (mode sweep): no seed diverged, and the 95% t interval of
+  the paired difference, each seed's a=0 loss minus the method's (same
+  initialisation and batches), ``mean ± t(0.975, n - 1) x sd / sqrt(n)``
+  over the n seeds, lies above 0; *worse*: it lies below 0; *no
+  difference shown*: it contains 0; one seed: no interval, no verdict. A
+  method that diverged on no seed beats an a=0 that diverged on one;
 * *steps behind plain*: at each fifth of the run (step t), how many steps
   later than plain the method's smoothed loss first reaches plain's
   smoothed loss at t, to a relative 1e-4 (the sanity check's tolerance:
@@ -336,7 +336,10 @@ def read_json(path: str) -> dict:
 def plot(
   path: str, records: list[dict], steps: int, unit: str, title: str
 ) -> None:
-  """Smoothed train loss against step and against wall seconds."""
+  """Smoothed train loss against step and against wall seconds, on a
+  linear axis spanning the runs that did not diverge (those that did run
+  off its top).
+  """
   import matplotlib
 
   matplotlib.use("Agg")
@@ -344,12 +347,14 @@ def plot(
 
   colors = _colors([r["method"] for r in records])
   fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4.2))
-  labelled = set()
+  labelled, span = set(), []
   for record in records:
     method = record["method"]
     curve = smoothed(record["losses"], window_of(steps))
     if not len(curve):
       continue
+    if record["summary"]["diverged_at"] is None:
+      span += [np.min(curve), np.max(curve)]
     label = None if method in labelled else method
     labelled.add(method)
     style = dict(
@@ -364,8 +369,11 @@ def plot(
   for ax, xlabel in ((by_step, "step"), (by_time, "wall seconds (steps only)")):
     ax.set_xlabel(xlabel)
     ax.set_ylabel(f"train loss, smoothed ({unit})")
-    ax.set_yscale("log")
-    ax.grid(True, which="both", alpha=0.3)
+    if span and np.all(np.isfinite(span)):
+      low, high = min(span), max(span)
+      margin = 0.03 * (high - low) or 0.03 * abs(high) or 1.0
+      ax.set_ylim(low - margin, high + margin)
+    ax.grid(True, alpha=0.3)
     ax.legend()
   fig.suptitle(title, fontsize=10)
   fig.tight_layout()
@@ -444,32 +452,31 @@ def compare_modes(
     if method != baseline and not diverged and base_diverged:
       # a=0 diverged on some seed and this method on none: better, though
       # not by a loss difference.
-      row.update(
-        beats_range=True,
-        worse_range=False,
-        beats_2se=False,
-        baseline_diverged=True,
-      )
+      row.update(verdict="beats", baseline_diverged=True)
     elif (
       method != baseline
       and not diverged
       and len(finite) == len(base)
       and all(v is not None and math.isfinite(v) for v in base)
     ):
-      d = np.asarray(base, np.float64) - np.asarray(values, np.float64)
-      se = (
-        float(np.std(d, ddof=1) / math.sqrt(len(d))) if len(d) > 1 else math.inf
-      )
+      d = stats.paired(base, values)  # a=0 minus the method, per seed.
       row.update(
-        paired_difference=float(np.mean(d)),
-        paired_se=se,
-        # One seed has no spread: no verdict.
-        beats_2se=bool(len(d) > 1 and np.mean(d) > 2 * se),
-        beats_range=bool(len(d) > 1 and max(values) < min(base)),
-        worse_range=bool(len(d) > 1 and min(values) > max(base)),
+        paired_difference=d["mean"],
+        low=d["low"],
+        high=d["high"],
+        verdict=_verdict(d),
       )
     out[method] = row
   return out
+
+
+def _verdict(d: dict) -> str | None:
+  """The mode sweep's verdict on :func:`stats.paired`'s a=0 minus method."""
+  if d["low"] is None:  # One seed: no interval.
+    return None
+  if d["low"] > 0:
+    return "beats"
+  return "worse" if d["high"] < 0 else "no difference shown"
 
 
 def best_mode(comparison: dict) -> str | None:
@@ -497,14 +504,12 @@ def _difference_cell(row: dict) -> str:
   if "paired_difference" not in row:
     return "-"
   cell = f"{row['paired_difference']:+.2g}"
-  if math.isfinite(row["paired_se"]):
-    cell += f" ± {row['paired_se']:.2g}"
-  if row["beats_range"]:
+  if row["low"] is not None:
+    cell += f" [{row['low']:+.2g}, {row['high']:+.2g}]"
+  if row["verdict"] == "beats":
     cell += " **beats**"
-  elif row["worse_range"]:
-    cell += " worse"
-  if row["beats_2se"]:
-    cell += " (>2se)"
+  elif row["verdict"] is not None:
+    cell += f" {row['verdict']}"
   return cell
 
 
@@ -517,7 +522,7 @@ def mode_table(per_method: dict, unit: str, title: str) -> tuple[str, dict]:
     title,
     "",
     "| method | final smoothed train (mean ± std [min, max]) | "
-    "a=0 minus it (paired, mean ± se) | final held-out | "
+    "a=0 minus it (paired, mean [95% t interval]) | final held-out | "
     "a=0 minus it |",
     "|" + " --- |" * 5,
   ]
@@ -532,8 +537,8 @@ def mode_table(per_method: dict, unit: str, title: str) -> tuple[str, dict]:
     )
   rows += [
     "",
-    f"Losses in {unit}; 'beats'/'worse': the ranges over seeds "
-    "do not overlap (the rule below).",
+    f"Losses in {unit}; 'beats'/'worse': the 95% t interval of a=0 "
+    "minus the method lies above/below 0 (the rule below).",
   ]
   verdict = {}
   for label, key in MODE_KEYS:
@@ -542,21 +547,21 @@ def mode_table(per_method: dict, unit: str, title: str) -> tuple[str, dict]:
     winners = [
       m
       for m, r in c.items()
-      if m not in ("plain", "a=0") and r.get("beats_range")
+      if m not in ("plain", "a=0") and r.get("verdict") == "beats"
     ]
     verdict[key] = {
       "best": best,
       "best_mean": c[best]["mean"] if best else None,
       "best_spread": [c[best]["min"], c[best]["max"]] if best else None,
-      "beat_a0_beyond_spread": winners,
+      "beat_a0": winners,
     }
     if best is None:
       line = f"- {label}: every a diverged on some seed"
     else:
       line = f"- {label}: best {best} ({_value(c[best])}); " + (
-        f"beating a=0 beyond the seed spread: {', '.join(winners)}"
+        f"beating a=0 (95% t interval above 0): {', '.join(winners)}"
         if winners
-        else "no nonzero a beats a=0 beyond the seed spread"
+        else "no nonzero a beats a=0 (95% t interval above 0)"
       )
     rows.append(line)
   return "\n".join(rows), {"comparisons": comparisons, "verdict": verdict}
