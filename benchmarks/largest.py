@@ -64,19 +64,7 @@ def step_for(method: str, blocks: int, d_model: int, seq: int, vocab: int):
       logits, tokens[:, 1:]
     ).mean()
 
-  if method == "plain":
-    tx = optax.adam(1e-3)
-    grad_fn = lambda p, s, t: jax.value_and_grad(loss_fn)(p, t)
-  else:
-    tx = immgrad.shim(optax.adam(1e-3), atomic="atomic=False" not in method)
-    grad_fn = immgrad.value_and_grad(loss_fn, tx, mode=method.split()[0])
-
-  def step(params, opt_state, tokens):
-    loss, grads = grad_fn(params, opt_state, tokens)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-
-  return step, tx
+  return models.step_for(method, loss_fn, optax.adam(1e-3))
 
 
 def shapes(method, blocks, d_model, seq, vocab, batch, sharding=None):

@@ -30,6 +30,8 @@ from jax import lax
 import jax.numpy as jnp
 import optax
 
+from benchmarks import measure
+
 
 def _adam(g, m, v, count, lr=1e-3):
   """One adam step on a slice (optax.adam's arithmetic, by hand)."""
@@ -121,14 +123,8 @@ def peak(step, args, donate, sharding=None) -> float:
   shapes = jax.tree.map(
     lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), args
   )
-  m = jax.jit(step, donate_argnums=donate).lower(*shapes).compile()
-  m = m.memory_analysis()
-  total = (
-    m.temp_size_in_bytes
-    + m.argument_size_in_bytes
-    + m.output_size_in_bytes
-    - m.alias_size_in_bytes
-  )
+  compiled = jax.jit(step, donate_argnums=donate).lower(*shapes).compile()
+  total = measure._peak_bytes(compiled)
   first = args[0]
   return total / (math.prod(first.shape) * jnp.dtype(first.dtype).itemsize)
 

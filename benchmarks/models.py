@@ -67,6 +67,29 @@ def _adam():
   return optax.adam(1e-3)
 
 
+def step_for(method: str, loss_fn: Callable, opt) -> tuple:
+  """``(step, tx)``: ``method``'s jitted-to-be training step
+  ``step(params, opt_state, *batch) -> (params, opt_state, loss)`` for
+  ``loss_fn(params, *batch)`` with optimizer ``opt``, and the transformation
+  whose ``init`` makes its state.
+  """
+  if method.startswith("plain"):
+    tx = opt if method == "plain" else optax.apply_if_finite(opt, 10)
+    grad_fn = lambda params, opt_state, *batch: jax.value_and_grad(loss_fn)(
+      params, *batch
+    )
+  else:
+    tx = immgrad.shim(opt, atomic="atomic=False" not in method)
+    grad_fn = immgrad.value_and_grad(loss_fn, tx, mode=method.split()[0])
+
+  def step(params, opt_state, *batch):
+    loss, grads = grad_fn(params, opt_state, *batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  return step, tx
+
+
 def candidates_for(
   loss_fn: Callable,
   params,
@@ -81,25 +104,8 @@ def candidates_for(
   """
   out = []
   for method in methods:
-    opt = make_opt()
-    if method.startswith("plain"):
-      tx = opt if method == "plain" else optax.apply_if_finite(opt, 10)
-
-      def step(params, opt_state, *batch, tx=tx):
-        loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-    else:
-      mode = method.split()[0]
-      tx = immgrad.shim(opt, atomic="atomic=False" not in method)
-      fn = auto_loss_fn if "(immediate" in method else loss_fn
-      grad_fn = immgrad.value_and_grad(fn, tx, mode=mode)
-
-      def step(params, opt_state, *batch, tx=tx, grad_fn=grad_fn):
-        loss, grads = grad_fn(params, opt_state, *batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
+    fn = auto_loss_fn if "(immediate" in method else loss_fn
+    step, tx = step_for(method, fn, make_opt())
     p = _host(params)
     out.append(Candidate(method, step, p, _host(tx.init(p)), batch))
   return out
