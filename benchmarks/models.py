@@ -73,21 +73,23 @@ def step_for(method: str, loss_fn: Callable, opt) -> tuple:
   ``loss_fn(params, *batch)`` with optimizer ``opt``, and the transformation
   whose ``init`` makes its state.
   """
-  if method.startswith("plain"):
-    tx = opt if method == "plain" else optax.apply_if_finite(opt, 10)
-    grad_fn = lambda params, opt_state, *batch: jax.value_and_grad(loss_fn)(
-      params, *batch
-    )
-  else:
+  if not method.startswith("plain"):
     tx = immgrad.shim(opt, atomic="atomic=False" not in method)
-    grad_fn = immgrad.value_and_grad(loss_fn, tx, mode=method.split()[0])
+    immediate = immgrad.train_step(loss_fn, tx, mode=method.split()[0])
 
-  def step(params, opt_state, *batch):
-    loss, grads = grad_fn(params, opt_state, *batch)
+    def step(params, opt_state, *batch):
+      loss, params, opt_state = immediate(params, opt_state, *batch)
+      return params, opt_state, loss
+
+    return step, tx
+  tx = opt if method == "plain" else optax.apply_if_finite(opt, 10)
+
+  def plain_step(params, opt_state, *batch):
+    loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
-  return step, tx
+  return plain_step, tx
 
 
 def candidates_for(
