@@ -329,3 +329,87 @@ def test_errors_name_train_step():
     immgrad.train_step(oracles.scanned_loss(), tx, mode="newest")
   with pytest.raises(TypeError, match=r"^immgrad.train_step: tx must be"):
     immgrad.train_step(oracles.scanned_loss(), optax.adam(1e-2))
+
+
+def test_nested_scans_and_multisteps():
+  """A stack of stacks (two immgrad.scan levels, the state split twice)
+  trains as the same layers unrolled; optax.MultiSteps' accumulated
+  gradient is state each layer owns, written in place like adam's moments.
+  """
+  data = _data()
+  keys = jax.random.split(jax.random.PRNGKey(3), 2)
+  params = {
+    "s": {
+      "w": jax.random.normal(keys[0], (2, 3, WIDTH, WIDTH)) / WIDTH**0.5,
+      "b": jnp.zeros((2, 3, WIDTH)),
+    },
+    "head": {"w": jax.random.normal(keys[1], (WIDTH, 3)), "b": jnp.zeros(3)},
+  }
+
+  def nested(p, x, y):
+    def outer(h, po):
+      inner = lambda h, pi: (jnp.tanh(dense(h, pi)), None)
+      return immgrad.scan(inner, h, po)[0], None
+
+    h, _ = immgrad.scan(outer, x, p["s"])
+    return oracles.mse(dense(h, p["head"]), y)
+
+  def unrolled(p, x, y):
+    h = x
+    for i in range(2):
+      for j in range(3):
+        h = jnp.tanh(oracles.dense(h, jax.tree.map(lambda a: a[i, j], p["s"])))
+    return oracles.mse(oracles.dense(h, p["head"]), y)
+
+  for opt in (
+    optax.adam(1e-2),
+    optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2),
+  ):
+    expected = oracles.plain_steps(unrolled, opt, params, data)
+    got = oracles.train_steps(nested, opt, params, data, mode="current")
+    oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
+  opt = optax.adam(1e-2)
+  got = oracles.train_steps(nested, opt, params, data, mode="updated")
+  reference = oracles.immediate_steps(
+    nested, opt, params, data, mode="updated", atomic=False
+  )
+  oracles.assert_runs_close(got, reference, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("library", ["flax", "equinox"])
+def test_flax_nnx_and_equinox(library):
+  """An NNX model split into its params, and an Equinox MLP partitioned,
+  through their adapters: "current" in place is plain training.
+  """
+  pytest.importorskip(library)
+  data = _data()
+  if library == "flax":
+    from flax import nnx
+
+    import immgrad.flax
+
+    class Model(nnx.Module):
+      def __init__(self, rngs):
+        self.a = nnx.Linear(WIDTH, 16, rngs=rngs)
+        self.norm = nnx.LayerNorm(16, rngs=rngs)
+        self.b = nnx.Linear(16, 3, rngs=rngs)
+
+      def __call__(self, x):
+        return self.b(jax.nn.relu(self.norm(self.a(x))))
+
+    graphdef, params = nnx.split(Model(nnx.Rngs(0)), nnx.Param)
+    loss = lambda p, x, y: oracles.mse(nnx.merge(graphdef, p)(x), y)
+    adapted = immgrad.flax.immediate(loss)
+  else:
+    import equinox as eqx
+
+    import immgrad.equinox
+
+    mlp = eqx.nn.MLP(WIDTH, 3, 16, 2, key=jax.random.PRNGKey(0))
+    params, static = eqx.partition(mlp, eqx.is_array)
+    loss = lambda p, x, y: oracles.mse(jax.vmap(eqx.combine(p, static))(x), y)
+    adapted = immgrad.equinox.immediate(loss)
+  opt = optax.adam(1e-2)
+  expected = oracles.plain_steps(loss, opt, params, data)
+  got = oracles.train_steps(adapted, opt, params, data, mode="current")
+  oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
