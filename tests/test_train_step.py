@@ -413,3 +413,48 @@ def test_flax_nnx_and_equinox(library):
   expected = oracles.plain_steps(loss, opt, params, data)
   got = oracles.train_steps(adapted, opt, params, data, mode="current")
   oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
+
+
+def test_nnx_scan_over_a_vmapped_stack():
+  """Flax's scan-over-layers idiom (blocks made by nnx.vmap, applied by
+  nnx.scan), found by immgrad.flax.immediate as a scan over stacked
+  parameters, written in place: "current" is plain training.
+  """
+  pytest.importorskip("flax")
+  from flax import nnx
+
+  import immgrad.flax
+
+  class Block(nnx.Module):
+    def __init__(self, rngs):
+      self.linear = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+
+    def __call__(self, x):
+      return jnp.tanh(self.linear(x))
+
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      @nnx.split_rngs(splits=LAYERS)
+      @nnx.vmap(in_axes=(0,), out_axes=0)
+      def blocks(rngs):
+        return Block(rngs)
+
+      self.blocks = blocks(rngs)
+      self.head = nnx.Linear(WIDTH, 3, rngs=rngs)
+
+    def __call__(self, x):
+      @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+      def body(x, block):
+        return block(x)
+
+      return self.head(body(x, self.blocks))
+
+  graphdef, params = nnx.split(Model(nnx.Rngs(0)), nnx.Param)
+  loss = lambda p, x, y: oracles.mse(nnx.merge(graphdef, p)(x), y)
+  data = _data()
+  opt = optax.adam(1e-2)
+  expected = oracles.plain_steps(loss, opt, params, data)
+  got = oracles.train_steps(
+    immgrad.flax.immediate(loss), opt, params, data, mode="current"
+  )
+  oracles.assert_runs_close(got, expected, atol=ATOL, rtol=RTOL)
