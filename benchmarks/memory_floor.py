@@ -16,7 +16,11 @@ arguments + outputs - aliased) in units of the parameters' bytes:
 
 Only the last can drop below parameters + state + one gradient's worth:
 ``apply_updates(params, updates)`` reads the old weights after the
-backward pass, so they and a stack of updates are alive together.
+backward pass, so they and a stack of updates are alive together. Then
+immgrad's own steps on the same stack (``immgrad.scan`` of an immediate
+``h @ w``): ``immgrad.train_step`` with ``shim(adam, atomic=False)``,
+which is that last step, in ``current`` and ``updated`` mode, and with
+the default atomic shim.
 ``--tpu`` compiles for one TPU v5e chip with no chip (libtpu on the
 ``PYTHONPATH``, as ``benchmarks.compile_tpu`` says).
 """
@@ -31,6 +35,7 @@ import jax.numpy as jnp
 import optax
 
 from benchmarks import measure
+import immgrad
 
 
 def _adam(g, m, v, count, lr=1e-3):
@@ -118,6 +123,23 @@ def through_vjp(p, m, v, x):
   return (*vjp(jnp.ones_like(loss)), loss)
 
 
+@immgrad.immediate_layer
+def _matmul(h, w):
+  return h @ w
+
+
+def _immgrad_loss(p, x):
+  return jnp.mean(
+    immgrad.scan(lambda h, w: (jnp.tanh(_matmul(h, w)), None), x, p)[0] ** 2
+  )
+
+
+def immgrad_step(mode: str, atomic: bool):
+  """``(step, tx)``: ``immgrad.train_step`` of the same stack."""
+  tx = immgrad.shim(optax.adam(1e-3), atomic=atomic)
+  return immgrad.train_step(_immgrad_loss, tx, mode=mode), tx
+
+
 def peak(step, args, donate, sharding=None) -> float:
   """Peak bytes of ``jit(step)`` on ``args`` over the first arg's bytes."""
   shapes = jax.tree.map(
@@ -134,7 +156,7 @@ def floors(layers: int, width: int, batch: int, sharding=None) -> dict:
   p = jax.ShapeDtypeStruct((layers, width, width), jnp.float32)
   x = jax.ShapeDtypeStruct((batch, width), jnp.float32)
   opt_state = jax.eval_shape(optax.adam(1e-3).init, p)
-  return {
+  out = {
     "plain": peak(plain, (p, opt_state, x), (0, 1), sharding),
     "update stack": peak(
       lambda p, m, v, x: in_loop(p, m, v, x, in_place=False),
@@ -152,6 +174,14 @@ def floors(layers: int, width: int, batch: int, sharding=None) -> dict:
       through_vjp, (p, p, p, x), (0, 1, 2), sharding
     ),
   }
+  for mode in ("current", "updated"):
+    for atomic in (False, True):
+      step, tx = immgrad_step(mode, atomic)
+      name = f"immgrad {mode}" + (" (atomic=False)" if not atomic else "")
+      out[name] = peak(
+        step, (p, jax.eval_shape(tx.init, p), x), (0, 1), sharding
+      )
+  return out
 
 
 def main(argv=None) -> None:

@@ -9,6 +9,9 @@ Methods (all with ``optax.adam(1e-3)``, jitted, params and state donated):
   ``immgrad.shim(adam)`` (atomic, the default);
 * ``current (atomic=False)`` / ``updated (atomic=False)``: the same without
   the all-or-nothing check;
+* ``current (in place)`` / ``updated (in place)``: ``immgrad.train_step``
+  with ``immgrad.shim(adam, atomic=False)``, each layer's new weights and
+  state written over the old ones in the backward pass;
 * ``current (immediate)`` / ``updated (immediate)`` and their
   ``atomic=False`` variants: the same steps with the model's layers found
   by ``immgrad.immediate`` on the undecorated model (the plain Haiku
@@ -41,6 +44,8 @@ METHODS = (
   "updated",
   "current (atomic=False)",
   "updated (atomic=False)",
+  "current (in place)",
+  "updated (in place)",
 )
 # Each model's immgrad methods with its adapter and with immgrad.immediate.
 IMMEDIATE_METHODS = (
@@ -78,6 +83,15 @@ def step_for(method: str, loss_fn: Callable, opt) -> tuple:
     grad_fn = lambda params, opt_state, *batch: jax.value_and_grad(loss_fn)(
       params, *batch
     )
+  elif "in place" in method:
+    tx = immgrad.shim(opt, atomic=False)
+    train = immgrad.train_step(loss_fn, tx, mode=method.split()[0])
+
+    def in_place(params, opt_state, *batch):
+      loss, params, opt_state = train(params, opt_state, *batch)
+      return params, opt_state, loss
+
+    return in_place, tx
   else:
     tx = immgrad.shim(opt, atomic="atomic=False" not in method)
     grad_fn = immgrad.value_and_grad(loss_fn, tx, mode=method.split()[0])

@@ -20,6 +20,7 @@ from immgrad._src.serialization import save_checkpoint as save_checkpoint
 from immgrad._src.shim import shim as shim
 from immgrad._src.shim import shim_state_from_optax as shim_state_from_optax
 from immgrad._src.shim import shim_state_to_optax as shim_state_to_optax
+from immgrad._src.train_step import train_step as train_step
 
 
 def __getattr__(name):
@@ -57,5 +58,6 @@ __all__ = (
   "shim",
   "shim_state_from_optax",
   "shim_state_to_optax",
+  "train_step",
   "value_and_grad",
 )

@@ -124,6 +124,23 @@ def immediate_steps(loss_fn, opt, params, batches, atomic=True, **kwargs):
   return history, losses
 
 
+def train_steps(loss_fn, opt, params, batches, atomic=False, **kwargs):
+  """The same loop with ``immgrad.train_step`` (parameters and state
+  donated, as a user would); returns params after each step, losses.
+  """
+  tx = immgrad.shim(opt, atomic=atomic)
+  step = jax.jit(
+    immgrad.train_step(loss_fn, tx, **kwargs), donate_argnums=(0, 1)
+  )
+  params, state = jax.tree.map(jnp.copy, (params, tx.init(params)))
+  history, losses = [], []
+  for batch in batches:
+    loss, params, state = step(params, state, *batch)
+    history.append(jax.tree.map(jnp.copy, params))  # Donated next step.
+    losses.append(loss)
+  return history, losses
+
+
 def sequential_steps(
   chain: Chain,
   opt,

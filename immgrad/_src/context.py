@@ -173,6 +173,10 @@ class Settings:
   atomic: bool = False  # Layers report whether their step was finite.
   measure_dx: bool = False  # Layers report |dX_new - dX| / |dX|.
   reduce_dtype: Any = None  # Of the average over axis_name.
+  # Layers return their new weights and owned state through the cotangent
+  # slots of the weight channel and the state (``immgrad.train_step``),
+  # not their gradient: written in place, no gradient tree is kept.
+  in_place: bool = False
 
   @property
   def steps_in_backward(self) -> bool:
@@ -180,7 +184,7 @@ class Settings:
     reads their optimizer state, which otherwise no layer needs (and which
     ``immgrad.scan``'s loops then need not carry).
     """
-    return self.dx_at != 0 or self.atomic or self.measure_dx
+    return self.dx_at != 0 or self.atomic or self.measure_dx or self.in_place
 
 
 class Registry:

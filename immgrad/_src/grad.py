@@ -24,7 +24,7 @@ from immgrad._src import shim as shim_lib
 _MODES = {"current": 0.0, "updated": 1.0}
 
 _MIXED = (
-  "immgrad.value_and_grad: parameter {path} is stepped by immediate layer "
+  "{name}: parameter {path} is stepped by immediate layer "
   "{layer!r} and also used outside it in a way that cannot fold into its "
   "step: tied (an embedding's transpose for the logits), or in a term "
   "joining it with other parameters before reducing it to a number "
@@ -34,7 +34,7 @@ _MIXED = (
 )
 
 _NO_LAYER = (
-  "immgrad.value_and_grad: mode={mode!r} takes each immediate layer's dX "
+  "{name}: mode={mode!r} takes each immediate layer's dX "
   "at its stepped weights, but no immediate layer used any parameter of "
   "{fun!r}, so every parameter would train ordinarily. Wrap the model or "
   "the loss with immgrad.immediate(...) or an adapter "
@@ -137,18 +137,44 @@ def value_and_grad(
     >>> loss.shape == (n,)
     True
   """
-  dx_at = _dx_at(mode)
+  return make(
+    fun,
+    tx,
+    mode=mode,
+    axis_name=axis_name,
+    reduce_dtype=reduce_dtype,
+    has_aux=has_aux,
+    measure_dx=measure_dx,
+  )
+
+
+def make(
+  fun: Callable[..., Any],
+  tx: optax.GradientTransformation,
+  *,
+  mode: str | float,
+  axis_name=None,
+  reduce_dtype=None,
+  has_aux: bool = False,
+  measure_dx: bool = False,
+  in_place: bool = False,
+  name: str = "immgrad.value_and_grad",
+) -> Callable[..., Any]:
+  """:func:`value_and_grad`; with ``in_place``, each immediate parameter's
+  leaf of ``grads`` is a :class:`Stepped` holding its new weights and
+  owned state, which its layer's backward rule returned in place of its
+  gradient (``immgrad.train_step``). ``name`` is the front in errors.
+  """
+  dx_at = _dx_at(mode, name)
   reduce_dtype = axes.reduce_dtype_of(reduce_dtype, axis_name)
   if not isinstance(tx, base.ShimTransformation):
     raise TypeError(
-      "immgrad.value_and_grad: tx must be the optimizer from "
+      f"{name}: tx must be the optimizer from "
       f"immgrad.shim(...), got {tx!r}. Wrap your optax optimizer: "
       "tx = immgrad.shim(optax.adam(1e-3))."
     )
   if not callable(fun):
-    raise TypeError(
-      f"immgrad.value_and_grad: fun must be callable, got {fun!r}."
-    )
+    raise TypeError(f"{name}: fun must be callable, got {fun!r}.")
 
   def run_step(params, opt_state, args, whole_loss):
     axes.check_bound(axis_name)
@@ -158,6 +184,8 @@ def value_and_grad(
     plan = plan_lib.cut(tx.inner, params)
     state = shim_lib.state_leaves(plan, opt_state)
     states = [[state[k] for k in leaf.reads] for leaf in plan.leaves]
+    if in_place:
+      _check_in_place(plan, paths, name)
     shapes = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), params
     )
@@ -170,10 +198,13 @@ def value_and_grad(
       atomic=tx.atomic,
       measure_dx=measure_dx,
       reduce_dtype=reduce_dtype,
+      in_place=in_place,
     )
     run: context.Registry | None = None
 
-    def loss(views, weights, flag, probes):
+    # In place, the state is differentiated too: its cotangent carries the
+    # new state of each parameter a layer stepped.
+    def loss(views, weights, flag, probes, owned):
       nonlocal run
       run = context.Registry(settings, flag, parent=None)
       for i, view in enumerate(views):
@@ -181,7 +212,7 @@ def value_and_grad(
           path=paths[i],
           view=None,
           weight=weights[i],
-          state=states[i],
+          state=states[i] if owned is None else owned[i],
           probe=probes[i] if measure_dx else None,
           program=plan.leaves[i],
           index=i,
@@ -190,7 +221,7 @@ def value_and_grad(
         run.add(slot)
       with context.opened(run):
         out = (whole_loss or (fun,))[0](treedef.unflatten(views), *args)
-      _check_loss(fun, out, has_aux)
+      _check_loss(fun, out, has_aux, name)
       return out
 
     probes = (
@@ -199,21 +230,31 @@ def value_and_grad(
       else None
     )
     value, backward, *aux = jax.vjp(
-      loss, leaves, leaves, jnp.zeros((), jnp.float32), probes, has_aux=has_aux
+      loss,
+      leaves,
+      leaves,
+      jnp.zeros((), jnp.float32),
+      probes,
+      states if in_place else None,
+      has_aux=has_aux,
     )
     assert run is not None  # Set by loss, which jax.vjp has just traced.
     if dx_at != 0 and all(slot.layer is None for slot in run.slots):
       raise ValueError(
-        _NO_LAYER.format(mode=mode, fun=getattr(fun, "__qualname__", fun))
+        _NO_LAYER.format(
+          name=name, mode=mode, fun=getattr(fun, "__qualname__", fun)
+        )
       )
-    cts, dws, nonfinite, changes = backward(jnp.ones_like(value))
+    cts, dws, nonfinite, changes, written = backward(jnp.ones_like(value))
     grads = []
     claimed = {i: s.layer for i, s in enumerate(run.slots) if s.layer}
     for i, slot in enumerate(run.slots):
       if whole_loss is None and slot.layer is not None and slot.ordinary:
         # The whole loss planned as one program may fold that other use
         # (an L2 term) into the layers' steps; if not, this refusal.
-        mixed = ValueError(_MIXED.format(path=slot.path, layer=slot.layer))
+        mixed = ValueError(
+          _MIXED.format(name=name, path=slot.path, layer=slot.layer)
+        )
         whole = auto.whole(fun, frozenset(claimed))
         try:
           return run_step(params, opt_state, args, (whole, claimed))
@@ -224,10 +265,21 @@ def value_and_grad(
         and i in whole_loss[1]
         and (slot.layer is None or slot.ordinary)
       ):
-        raise ValueError(_MIXED.format(path=slot.path, layer=whole_loss[1][i]))
+        raise ValueError(
+          _MIXED.format(name=name, path=slot.path, layer=whole_loss[1][i])
+        )
       if slot.layer is not None and slot.ordinary:
-        raise ValueError(_MIXED.format(path=slot.path, layer=slot.layer))
-      if slot.layer is not None and slot.stepped:
+        raise ValueError(
+          _MIXED.format(name=name, path=slot.path, layer=slot.layer)
+        )
+      if slot.layer is not None and slot.stepped and in_place:
+        program = plan.leaves[i]
+        grads.append(
+          base.Stepped(
+            dws[i], [written[i][program.reads.index(k)] for k in program.writes]
+          )
+        )
+      elif slot.layer is not None and slot.stepped:
         grads.append(
           base.ImmediateGrad(
             dws[i], nonfinite if tx.atomic else None, slot.layer_axes
@@ -257,7 +309,7 @@ def value_and_grad(
   return step
 
 
-def _dx_at(mode) -> float:
+def _dx_at(mode, name: str) -> float:
   """``mode`` as the fraction of the update that dX sees."""
   if isinstance(mode, str) and mode in _MODES:
     return _MODES[mode]
@@ -268,7 +320,7 @@ def _dx_at(mode) -> float:
   ):
     return float(mode)
   raise ValueError(
-    f'immgrad.value_and_grad: mode must be "current", "updated" or a '
+    f'{name}: mode must be "current", "updated" or a '
     f"finite real number a (dX at W + a * (W_new - W)), got {mode!r}."
   )
 
@@ -281,10 +333,10 @@ def _measured(change, slot):
   return change[first + (0,) * (change.ndim - slot.layer_axes)]
 
 
-def _check_loss(fun, out, has_aux):
+def _check_loss(fun, out, has_aux, name: str):
   if has_aux and not (isinstance(out, tuple) and len(out) == 2):
     raise TypeError(
-      f"immgrad.value_and_grad: with has_aux=True, {fun!r} must return "
+      f"{name}: with has_aux=True, {fun!r} must return "
       f"(loss, aux), got {type(out).__name__}."
     )
   value = out[0] if has_aux else out
@@ -293,6 +345,46 @@ def _check_loss(fun, out, has_aux):
     and jnp.issubdtype(jnp.result_type(value), jnp.floating)
   ):
     raise TypeError(
-      f"immgrad.value_and_grad: {getattr(fun, '__qualname__', fun)!r} "
+      f"{name}: {getattr(fun, '__qualname__', fun)!r} "
       f"must return a real scalar loss, got {value!r}."
     )
+
+
+_NOT_IN_PLACE = (
+  "{name}: the optimizer's step for parameter {path} writes state leaf "
+  "{leaf} ({aval}){why}, which a step written in place cannot return "
+  "through its layer's backward pass. Use a shim with atomic=True (the "
+  "default), whose step keeps the gradients, or drop that part of the "
+  "optimizer."
+)
+
+
+def _check_in_place(plan: plan_lib.Plan, paths: list, name: str) -> None:
+  """Refuses a rule whose per-parameter state the in-place step cannot
+  carry: a leaf written but not read (its old value has no slot to come
+  back through), or one that is not floating point (no cotangent).
+  """
+  state_paths = [
+    jax.tree_util.keystr(path)
+    for path, _ in jax.tree_util.tree_flatten_with_path(
+      plan.state_def.unflatten(plan.state_avals)
+    )[0]
+  ]
+  for path, program in zip(paths, plan.leaves):
+    for k in program.writes:
+      aval = plan.state_avals[k]
+      why = None
+      if not jnp.issubdtype(aval.dtype, jnp.floating):
+        why = ", not floating point"
+      elif k not in program.reads:
+        why = " without reading it"
+      if why is not None:
+        raise ValueError(
+          _NOT_IN_PLACE.format(
+            name=name,
+            path=path,
+            leaf=state_paths[k],
+            aval=f"{aval.dtype}{list(aval.shape)}",
+            why=why,
+          )
+        )

@@ -293,6 +293,12 @@ def _immediate(fun, step: context.Registry, slots, treedef, x):
         ]
     for slot in slots:
       slot.mark_stepped()
+    if settings.in_place:  # The step itself, through the cotangent slots.
+      written = [
+        _in_read_order(slot.program, state)
+        for slot, (_, state) in zip(slots, stepped)
+      ]
+      return dx, new, written, nonfinite, probes
     return dx, dw, None, nonfinite, probes
 
   core.defvjp(fwd, bwd)
@@ -303,6 +309,19 @@ def _immediate(fun, step: context.Registry, slots, treedef, x):
     step.flag,
     [s.probe for s in slots] if settings.measure_dx else None,
   )
+
+
+def _in_read_order(program, written: list) -> list:
+  """New state values in the places of the state ``program`` reads.
+
+  The cotangent of a layer's state input (``settings.in_place``): each
+  leaf the program writes gets its new value, every other a zero (None).
+  ``immgrad.train_step`` refuses a rule that writes a leaf it does not read.
+  """
+  out: list = [None] * len(program.reads)
+  for k, value in zip(program.writes, written):
+    out[program.reads.index(k)] = value
+  return out
 
 
 def _relative_change(dx_updated, dx_current, axis_name) -> jax.Array:

@@ -149,6 +149,23 @@ def scan(
       return inner_slots[weights[j]].layer is not None
     return j < len(leaves)  # The user's xs; state is not differentiated.
 
+  def in_place():
+    """The channels whose cotangent is their new value (``in_place``): a
+    claimed weight channel, and after it the state its program writes.
+    """
+    if not settings.in_place:
+      return {}
+    out = {}
+    for inner_slot, start, program in zip(inner_slots, starts, programs):
+      if inner_slot.layer is None:
+        continue
+      out[start] = start
+      first_state = start + 1 + settings.measure_dx
+      for r, k in enumerate(program.reads):
+        if k in program.writes:
+          out[first_state + r] = start
+    return out
+
   return scan_vjp.scan_with_vjp(
     body,
     init,
@@ -157,4 +174,5 @@ def scan(
     reverse=reverse,
     unroll=unroll,
     needs_cotangent=needs_cotangent,
+    in_place=in_place,
   )

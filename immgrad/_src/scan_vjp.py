@@ -26,6 +26,7 @@ def scan_with_vjp(
   reverse: bool,
   unroll,
   needs_cotangent: Callable[[int], bool],
+  in_place: Callable[[], dict[int, int]] = dict,
 ):
   """``lax.scan(body, init, xs)``, differentiable with less memory.
 
@@ -40,6 +41,13 @@ def scan_with_vjp(
     needs_cotangent: called once the backward body has been traced, for
       each position of ``xs``: whether its cotangent may be nonzero (False:
       a symbolic zero is returned).
+    in_place: called once the forward body has been traced: the positions
+      of ``xs`` whose cotangent is their new value (an immediate layer's
+      new weights and state, ``immgrad.train_step``), each mapped to the
+      position whose new slice is written before its own (itself: none).
+      The backward loop carries each such stack, reads its slice from the
+      carry and writes the new one over it, so the stack of cotangents is
+      the stack itself, updated in place.
 
   Returns:
     ``(carry, ys)``, as ``lax.scan``.
@@ -133,10 +141,15 @@ def scan_with_vjp(
       i for i, (k, p) in enumerate(zip(consts, perturbed)) if p and _is_float(k)
     ]
     stacked = []  # Positions of xs whose cotangents the loop stacks.
+    before = in_place()  # Carried: position -> the one written before it.
+    carried = sorted(before, key=lambda j: (before[j] != j, j))
 
     def backward(carry, scanned_in):
-      ct_carry, ct_consts = carry
-      x, saved_i, ct_ys = scanned_in
+      ct_carry, ct_consts, stacks = carry
+      x, saved_i, ct_ys, i = scanned_in
+      x = list(x)
+      for j, stack in zip(carried, stacks):  # Read before it is written.
+        x[j] = lax.dynamic_index_in_dim(stack, i, keepdims=False)
       where = {"x": x, "const": consts, "saved": saved_i, "once": made}
       vjp = jax.tree.unflatten(
         treedef,
@@ -149,23 +162,55 @@ def scan_with_vjp(
       d_carry = jax.tree.leaves(d_carry)
       ct_consts = [a + d_consts[j] for a, j in zip(ct_consts, summed)]
       stacked[:] = [
-        j for j in range(len(xs)) if _is_float(xs[j]) and needs_cotangent(j)
+        j
+        for j in range(len(xs))
+        if _is_float(xs[j]) and needs_cotangent(j) and j not in before
       ]
+      d_carry = [d_carry[k] for k in floats]
       return (
-        ([d_carry[k] for k in floats], ct_consts),
+        (d_carry, ct_consts, _written(stacks, d_x, d_carry, i)),
         [d_x[j] for j in stacked],
       )
+
+    def _written(stacks, d_x, d_carry, i):
+      """Each carried stack with this iteration's new slice written over
+      its old one, in ``carried``'s order, after what the iteration sends
+      back (``d_carry``, which reads the old weights in ``current``
+      mode) and each slice after the one it follows (a weight before its
+      state). The order is a data dependence, ``+ -0.0`` (``+ 0.0`` where
+      the value depended on is NaN): else XLA's CPU backend fuses a write
+      with the reads of the old slice it overwrites, and copies the whole
+      stack in every iteration.
+      """
+      out, done = [], {}
+      for j, stack in zip(carried, stacks):
+        if before[j] != j:
+          after = [lax.dynamic_index_in_dim(done[before[j]], i, False)]
+        else:
+          after = [c for c in d_carry if c.size]
+        stack = lax.dynamic_update_index_in_dim(
+          stack, _after(d_x[j], after), i, 0
+        )
+        out.append(stack)
+        done[j] = stack
+      return out
 
     start = (
       [
         cts[k] if not _is_zero(cts[k]) else _zeros(out_avals[k]) for k in floats
       ],
       [jnp.zeros_like(consts[i]) for i in summed],
+      [xs[j] for j in carried],
     )
-    (d_carry, d_consts), d_xs = lax.scan(
+    (d_carry, d_consts, news), d_xs = lax.scan(
       backward,
       start,
-      (xs, saved, [cts[k] for k in live_ys]),
+      (
+        [None if j in before else a for j, a in enumerate(xs)],
+        saved,
+        [cts[k] for k in live_ys],
+        jnp.arange(length),
+      ),
       length=length,
       reverse=not reverse,
       unroll=unroll,
@@ -180,12 +225,22 @@ def scan_with_vjp(
     out_xs: list[Any] = [None] * len(xs)
     for j, d in zip(stacked, d_xs):
       out_xs[j] = d
+    for j, d in zip(carried, news):
+      out_xs[j] = d
     init_tree = jax.tree.structure(traced["out"][0])
     return out_consts, jax.tree.unflatten(init_tree, out_init), out_xs
 
   loop = jax.custom_vjp(run)
   loop.defvjp(fwd, bwd, symbolic_zeros=True)
   return loop(consts, init, xs)
+
+
+def _after(value, others: list):
+  """``value``, computed only once each of ``others`` is (``+ -0.0``)."""
+  for other in others:
+    seen = other[(0,) * other.ndim]
+    value = value + jnp.where(jnp.isnan(seen), 0.0, -0.0).astype(value.dtype)
+  return value
 
 
 def _is_float(a) -> bool:
