@@ -37,6 +37,8 @@ METHODS = (
   "updated (atomic=False)",
   "current",
   "updated",
+  "current (in place)",
+  "updated (in place)",
 )
 
 

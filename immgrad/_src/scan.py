@@ -175,4 +175,7 @@ def scan(
     unroll=unroll,
     needs_cotangent=needs_cotangent,
     in_place=in_place,
+    # The in-place step holds no more than it must: no bfloat16 copy of the
+    # weight stacks (the TPU's cast hoisted out of the forward loop) either.
+    slices_in_loop=settings.in_place,
   )

@@ -27,6 +27,7 @@ def scan_with_vjp(
   unroll,
   needs_cotangent: Callable[[int], bool],
   in_place: Callable[[], dict[int, int]] = dict,
+  slices_in_loop: bool = False,
 ):
   """``lax.scan(body, init, xs)``, differentiable with less memory.
 
@@ -48,6 +49,11 @@ def scan_with_vjp(
       The backward loop carries each such stack, reads its slice from the
       carry and writes the new one over it, so the stack of cotangents is
       the stack itself, updated in place.
+    slices_in_loop: make each forward iteration's float slices of ``xs``
+      depend (``+ -0.0``) on the carry, so that XLA cannot hoist a cast of
+      a whole stack out of the loop: on a TPU at the default matmul
+      precision it casts every stacked weight to bfloat16 before the
+      forward loop, a copy of 2 bytes a parameter alive through it.
 
   Returns:
     ``(carry, ys)``, as ``lax.scan``.
@@ -114,6 +120,9 @@ def scan_with_vjp(
     out_tree = jax.tree.structure(traced["out"])
 
     def forward(carry, x):
+      if slices_in_loop:
+        c = [a for a in jax.tree.leaves(carry) if _is_float(a) and a.size]
+        x = [_after(a, c[:1]) if _is_float(a) else a for a in x]
       flat = run_program(*jax.tree.leaves(carry), *x, *consts)
       out = jax.tree.unflatten(out_tree, flat[:n_out])
       return out[0], (out[1], [flat[k] for k in saved])
