@@ -358,7 +358,9 @@ def test_nested_scans_and_multisteps():
     h = x
     for i in range(2):
       for j in range(3):
-        h = jnp.tanh(oracles.dense(h, jax.tree.map(lambda a: a[i, j], p["s"])))
+        h = jnp.tanh(
+          oracles.dense(h, jax.tree.map(lambda a, i=i, j=j: a[i, j], p["s"]))
+        )
     return oracles.mse(oracles.dense(h, p["head"]), y)
 
   for opt in (
