@@ -131,14 +131,17 @@ def plot(results: dict, path: str) -> None:
   import matplotlib.pyplot as plt
 
   fig, ax = plt.subplots(figsize=(6.4, 4.2))
-  for method, r in results["methods"].items():
+  methods = results["methods"]
+  for i, (method, r) in enumerate(methods.items()):
     fits = sorted(
       (p["parameters"] / 1e6, p["peak_bytes"] / 2**30)
       for p in r["probes"]
       if p["fits"]
     )
-    wide = method == "plain"  # Drawn under what coincides with it.
-    ax.plot(*zip(*fits), marker="o", label=method, lw=5 if wide else 1.5)
+    # Each line narrower than the ones before it: a line that coincides
+    # with an earlier one is drawn inside it.
+    lw = 1.5 * (len(methods) - i)
+    ax.plot(*zip(*fits), marker="o", ms=lw + 3, label=method, lw=lw)
   ax.set_xlabel("parameters (millions)")
   ax.set_ylabel("compiled peak memory (GiB, XLA's memory analysis)")
   s = results["settings"]

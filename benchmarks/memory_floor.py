@@ -21,8 +21,17 @@ immgrad's own steps on the same stack (``immgrad.scan`` of an immediate
 ``h @ w``): ``immgrad.train_step`` with ``shim(adam, atomic=False)``,
 which is that last step, in ``current`` and ``updated`` mode, and with
 the default atomic shim.
+
+``--transformers`` measures issue 44's table instead: ``benchmarks.models``'
+transformer (d_model 512, 8 heads, mlp 2048, seq 64, batch 1, adam float32)
+with 12 blocks under ``hk.layer_stack``, 12 unrolled and 24 stacked; plain
+training's peak in MiB and parameters' bytes, each immgrad method's as a
+ratio to plain's.
+
 ``--tpu`` compiles for one TPU v5e chip with no chip (libtpu on the
-``PYTHONPATH``, as ``benchmarks.compile_tpu`` says).
+``PYTHONPATH``, as ``benchmarks.compile_tpu`` says), immgrad's steps as
+``benchmarks.compile_tpu`` compiles them (the atomic shim committing by
+select, as on the chip).
 """
 
 import argparse
@@ -35,7 +44,20 @@ import jax.numpy as jnp
 import optax
 
 from benchmarks import measure
+from benchmarks import models
 import immgrad
+
+TRANSFORMERS = (
+  ("12 blocks, hk.layer_stack", 12, True),
+  ("12 blocks, unrolled", 12, False),
+  ("24 blocks, hk.layer_stack", 24, True),
+)
+IMMGRAD_METHODS = (
+  "current (atomic=False)",
+  "updated (atomic=False)",
+  "current",
+  "updated",
+)
 
 
 def _adam(g, m, v, count, lr=1e-3):
@@ -146,9 +168,27 @@ def peak(step, args, donate, sharding=None) -> float:
     lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), args
   )
   compiled = jax.jit(step, donate_argnums=donate).lower(*shapes).compile()
-  total = measure._peak_bytes(compiled)
-  first = args[0]
-  return total / (math.prod(first.shape) * jnp.dtype(first.dtype).itemsize)
+  return measure._peak_bytes(compiled) / _bytes(args[0])
+
+
+def _bytes(tree) -> int:
+  return sum(
+    math.prod(a.shape) * a.dtype.itemsize for a in jax.tree.leaves(tree)
+  )
+
+
+def candidate_peak(candidate: measure.Candidate, sharding=None) -> int:
+  """Peak bytes of ``candidate``'s step compiled with the parameters and
+  state donated: for the CPU, or as ``benchmarks.compile_tpu`` compiles it
+  for ``sharding``'s chip.
+  """
+  if sharding is None:
+    step = jax.jit(candidate.step, donate_argnums=(0, 1))
+    compiled = step.lower(*measure.abstract_inputs(candidate)).compile()
+    return measure._peak_bytes(compiled)
+  from benchmarks import compile_tpu
+
+  return compile_tpu.compile_for(candidate, sharding)[1]["peak_bytes"]
 
 
 def floors(layers: int, width: int, batch: int, sharding=None) -> dict:
@@ -178,10 +218,47 @@ def floors(layers: int, width: int, batch: int, sharding=None) -> dict:
     for atomic in (False, True):
       step, tx = immgrad_step(mode, atomic)
       name = f"immgrad {mode}" + (" (atomic=False)" if not atomic else "")
-      out[name] = peak(
-        step, (p, jax.eval_shape(tx.init, p), x), (0, 1), sharding
-      )
+      state = jax.eval_shape(tx.init, p)
+      candidate = measure.Candidate(name, step, p, state, (x,))
+      out[name] = candidate_peak(candidate, sharding) / _bytes(p)
   return out
+
+
+def transformer_peaks(blocks: int, stacked: bool, sharding=None) -> dict:
+  """Issue 44's transformer: plain's peak bytes and the parameters' bytes,
+  and each immgrad method's peak as a ratio to plain's.
+  """
+  candidates = models.transformer(
+    blocks=blocks,
+    d_model=512,
+    heads=8,
+    mlp_size=2048,
+    seq=64,
+    batch=1,
+    stacked=stacked,
+    methods=("plain", *IMMGRAD_METHODS),
+  )
+  plain_peak = candidate_peak(candidates[0], sharding)
+  return {
+    "plain_bytes": plain_peak,
+    "parameters_bytes": _bytes(candidates[0].params),
+    **{
+      c.name: candidate_peak(c, sharding) / plain_peak for c in candidates[1:]
+    },
+  }
+
+
+def print_transformers(sharding=None) -> None:
+  """Prints :func:`transformer_peaks` for each of ``TRANSFORMERS``."""
+  print(f"{'model':26s} {'plain peak':>23s}", *IMMGRAD_METHODS, sep=" | ")
+  for name, blocks, stacked in TRANSFORMERS:
+    r = transformer_peaks(blocks, stacked, sharding)
+    plain_peak = (
+      f"{r['plain_bytes'] / 2**20:.0f} MiB "
+      f"({r['plain_bytes'] / r['parameters_bytes']:.2f}x params)"
+    )
+    ratios = [f"{r[m]:.3f}x".center(len(m)) for m in IMMGRAD_METHODS]
+    print(f"{name:26s} {plain_peak:>23s}", *ratios, sep=" | ", flush=True)
 
 
 def main(argv=None) -> None:
@@ -190,6 +267,9 @@ def main(argv=None) -> None:
   parser.add_argument("--width", type=int, default=2048)
   parser.add_argument("--batch", type=int, default=8)
   parser.add_argument("--tpu", action="store_true")
+  parser.add_argument(
+    "--transformers", action="store_true", help="issue 44's transformer table"
+  )
   args = parser.parse_args(argv)
   sharding = None
   if args.tpu:
@@ -198,6 +278,9 @@ def main(argv=None) -> None:
     from benchmarks.compile_tpu import tpu_sharding
 
     sharding = tpu_sharding()
+  if args.transformers:
+    print_transformers(sharding)
+    return
   for name, ratio in floors(
     args.layers, args.width, args.batch, sharding
   ).items():
