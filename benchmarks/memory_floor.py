@@ -22,7 +22,7 @@ immgrad's own steps on the same stack (``immgrad.scan`` of an immediate
 which is that last step, in ``current`` and ``updated`` mode, and with
 the default atomic shim.
 
-``--transformers`` measures issue 44's table instead: ``benchmarks.models``'
+``--transformers`` measures docs/memory.md's transformer table instead: ``benchmarks.models``'
 transformer (d_model 512, 8 heads, mlp 2048, seq 64, batch 1, adam float32)
 with 12 blocks under ``hk.layer_stack``, 12 unrolled and 24 stacked; plain
 training's peak in MiB and parameters' bytes, each immgrad method's as a
@@ -53,6 +53,8 @@ TRANSFORMERS = (
   ("24 blocks, hk.layer_stack", 24, True),
 )
 IMMGRAD_METHODS = (
+  "current (in place)",
+  "updated (in place)",
   "current (atomic=False)",
   "updated (atomic=False)",
   "current",
@@ -217,7 +219,7 @@ def floors(layers: int, width: int, batch: int, sharding=None) -> dict:
   for mode in ("current", "updated"):
     for atomic in (False, True):
       step, tx = immgrad_step(mode, atomic)
-      name = f"immgrad {mode}" + (" (atomic=False)" if not atomic else "")
+      name = f"immgrad {mode}" + (" (in place)" if not atomic else "")
       state = jax.eval_shape(tx.init, p)
       candidate = measure.Candidate(name, step, p, state, (x,))
       out[name] = candidate_peak(candidate, sharding) / _bytes(p)
@@ -225,7 +227,7 @@ def floors(layers: int, width: int, batch: int, sharding=None) -> dict:
 
 
 def transformer_peaks(blocks: int, stacked: bool, sharding=None) -> dict:
-  """Issue 44's transformer: plain's peak bytes and the parameters' bytes,
+  """The transformer of docs/memory.md: plain's peak bytes and the parameters' bytes,
   and each immgrad method's peak as a ratio to plain's.
   """
   candidates = models.transformer(
@@ -268,7 +270,7 @@ def main(argv=None) -> None:
   parser.add_argument("--batch", type=int, default=8)
   parser.add_argument("--tpu", action="store_true")
   parser.add_argument(
-    "--transformers", action="store_true", help="issue 44's transformer table"
+    "--transformers", action="store_true", help="docs/memory.md's transformers"
   )
   args = parser.parse_args(argv)
   sharding = None
