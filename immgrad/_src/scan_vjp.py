@@ -218,7 +218,7 @@ def scan_with_vjp(
         [None if j in before else a for j, a in enumerate(xs)],
         saved,
         [cts[k] for k in live_ys],
-        jnp.arange(length),
+        jnp.arange(length) if carried else None,  # The write index.
       ),
       length=length,
       reverse=not reverse,
