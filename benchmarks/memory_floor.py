@@ -159,9 +159,11 @@ def _immgrad_loss(p, x):
 
 
 def immgrad_step(mode: str, atomic: bool):
-  """``(step, tx)``: ``immgrad.train_step`` of the same stack."""
-  tx = immgrad.shim(optax.adam(1e-3), atomic=atomic)
-  return immgrad.train_step(_immgrad_loss, tx, mode=mode), tx
+  """``(step, tx)``: immgrad's step of the same stack, in place (the
+  ``(in place)`` method of ``benchmarks.models``) or atomic.
+  """
+  method = mode if atomic else f"{mode} (in place)"
+  return models.step_for(method, _immgrad_loss, optax.adam(1e-3))
 
 
 def peak(step, args, donate, sharding=None) -> float:
@@ -227,8 +229,8 @@ def floors(layers: int, width: int, batch: int, sharding=None) -> dict:
 
 
 def transformer_peaks(blocks: int, stacked: bool, sharding=None) -> dict:
-  """The transformer of docs/memory.md: plain's peak bytes and the parameters' bytes,
-  and each immgrad method's peak as a ratio to plain's.
+  """The transformer of docs/memory.md: plain's peak bytes, the
+  parameters' bytes, and each immgrad method's peak as a ratio to plain's.
   """
   candidates = models.transformer(
     blocks=blocks,

@@ -196,7 +196,7 @@ def scan_with_vjp(
         if before[j] != j:
           after = [lax.dynamic_index_in_dim(done[before[j]], i, False)]
         else:
-          after = [c for c in d_carry if c.size]
+          after = d_carry
         stack = lax.dynamic_update_index_in_dim(
           stack, _after(d_x[j], after), i, 0
         )
@@ -245,8 +245,12 @@ def scan_with_vjp(
 
 
 def _after(value, others: list):
-  """``value``, computed only once each of ``others`` is (``+ -0.0``)."""
+  """``value``, computed only once each of ``others`` is (``+ -0.0``; an
+  empty one has nothing to wait for).
+  """
   for other in others:
+    if not other.size:
+      continue
     seen = other[(0,) * other.ndim]
     value = value + jnp.where(jnp.isnan(seen), 0.0, -0.0).astype(value.dtype)
   return value
