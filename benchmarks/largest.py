@@ -10,7 +10,11 @@ memory and the parameter count, so the results also draw peak memory
 against parameter count for each method (``--plot``).
 
 ``--check`` runs a few real steps of each method's largest model on the
-chip the process sees (the TPU machine), to confirm that it fits.
+chip the process sees (the TPU machine), to confirm that it fits, and
+times every method at one depth that they all fit (``--time-at``, plain
+training's largest by default): each method's median step over 10 steps,
+plain training timed first and again last, so that the ratios say how much
+the chip's own speed drifted between them.
 """
 
 import argparse
@@ -155,7 +159,9 @@ def plot(results: dict, path: str) -> None:
 
 
 def check_on_chip(method, blocks, d_model, seq, vocab, batch, steps=3):
-  """Median seconds of ``steps`` real steps of the model on this chip."""
+  """Median seconds of ``steps`` real steps of the model on this chip
+  (after one step of warm-up, which compiles it), and the last loss.
+  """
   step, tx = step_for(method, blocks, d_model, seq, vocab)
   model = _model(blocks, d_model, seq, vocab)
   tokens = jax.random.randint(jax.random.PRNGKey(1), (batch, seq + 1), 0, vocab)
@@ -174,6 +180,26 @@ def check_on_chip(method, blocks, d_model, seq, vocab, batch, steps=3):
   }
 
 
+def time_at(blocks, methods, size, steps=10) -> dict:
+  """Each method's median step at ``blocks`` blocks on this chip, over
+  plain training's: plain timed first and again last (``plain_again``).
+  """
+  d_model, seq, vocab, batch = size
+  order = ["plain", *(m for m in methods if m != "plain"), "plain"]
+  seconds = {}
+  for i, method in enumerate(order):
+    r = check_on_chip(method, blocks, d_model, seq, vocab, batch, steps)
+    key = "plain_again" if i == len(order) - 1 else method
+    seconds[key] = r["median_step_seconds"]
+    print(f"{key} at {blocks} blocks: {seconds[key]:.4f} s", flush=True)
+  return {
+    "blocks": blocks,
+    "steps": steps,
+    "median_step_seconds": seconds,
+    "over_plain": {m: t / seconds["plain"] for m, t in seconds.items()},
+  }
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(
     prog="python -m benchmarks.largest", description=__doc__.splitlines()[0]
@@ -186,6 +212,12 @@ def main(argv=None) -> int:
   parser.add_argument("--min-blocks", type=int, default=0)
   parser.add_argument("--max-blocks", type=int, default=128)
   parser.add_argument("--check", action="store_true")
+  parser.add_argument(
+    "--time-at",
+    type=int,
+    help="with --check: the depth every method is timed at (default: "
+    "plain training's largest)",
+  )
   parser.add_argument(
     "--plot", help="draw the results file's probes into this PNG and stop"
   )
@@ -207,6 +239,11 @@ def main(argv=None) -> int:
         method, blocks, *size[:3], args.batch
       )
       print(method, blocks, results["methods"][method]["chip"], flush=True)
+    results["step_time"] = time_at(
+      args.time_at or results["methods"]["plain"]["largest"]["blocks"],
+      args.methods,
+      size,
+    )
   else:
     from benchmarks import compile_tpu
 
