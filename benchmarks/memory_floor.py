@@ -26,7 +26,8 @@ the default atomic shim.
 transformer (d_model 512, 8 heads, mlp 2048, seq 64, batch 1, adam float32)
 with 12 blocks under ``hk.layer_stack``, 12 unrolled and 24 stacked; plain
 training's peak in MiB and parameters' bytes, each immgrad method's as a
-ratio to plain's.
+ratio to plain's, and for the stacked ones issue 44's floor (parameters,
+state, plain's activations and one block's gradient) as the same ratio.
 
 ``--tpu`` compiles for one TPU v5e chip with no chip (libtpu on the
 ``PYTHONPATH``, as ``benchmarks.compile_tpu`` says), immgrad's steps as
@@ -231,6 +232,13 @@ def floors(layers: int, width: int, batch: int, sharding=None) -> dict:
 def transformer_peaks(blocks: int, stacked: bool, sharding=None) -> dict:
   """The transformer of docs/memory.md: plain's peak bytes, the
   parameters' bytes, and each immgrad method's peak as a ratio to plain's.
+
+  Stacked, also issue 44's floor as a ratio to plain's peak: the
+  parameters and state, plain training's activations and temporaries, and
+  one block's gradient. Under the scan plain training's peak holds the
+  whole gradient stack (as many bytes as the parameters) besides the rest,
+  so the floor is plain's peak less the parameters' bytes plus one
+  block's parameters' bytes.
   """
   candidates = models.transformer(
     blocks=blocks,
@@ -243,9 +251,16 @@ def transformer_peaks(blocks: int, stacked: bool, sharding=None) -> dict:
     methods=("plain", *IMMGRAD_METHODS),
   )
   plain_peak = candidate_peak(candidates[0], sharding)
+  params = candidates[0].params
+  floor = None
+  if stacked:
+    stacks = [a for a in jax.tree.leaves(params) if a.shape[:1] == (blocks,)]
+    block = _bytes(stacks) // blocks
+    floor = (plain_peak - _bytes(params) + block) / plain_peak
   return {
     "plain_bytes": plain_peak,
-    "parameters_bytes": _bytes(candidates[0].params),
+    "parameters_bytes": _bytes(params),
+    "floor": floor,
     **{
       c.name: candidate_peak(c, sharding) / plain_peak for c in candidates[1:]
     },
@@ -254,15 +269,19 @@ def transformer_peaks(blocks: int, stacked: bool, sharding=None) -> dict:
 
 def print_transformers(sharding=None) -> None:
   """Prints :func:`transformer_peaks` for each of ``TRANSFORMERS``."""
-  print(f"{'model':26s} {'plain peak':>23s}", *IMMGRAD_METHODS, sep=" | ")
+  header = (f"{'model':26s} {'plain peak':>23s}", "floor", *IMMGRAD_METHODS)
+  print(*header, sep=" | ")
   for name, blocks, stacked in TRANSFORMERS:
     r = transformer_peaks(blocks, stacked, sharding)
     plain_peak = (
       f"{r['plain_bytes'] / 2**20:.0f} MiB "
       f"({r['plain_bytes'] / r['parameters_bytes']:.2f}x params)"
     )
+    floor = f"{r['floor']:.3f}x" if r["floor"] else "  -   "
     ratios = [f"{r[m]:.3f}x".center(len(m)) for m in IMMGRAD_METHODS]
-    print(f"{name:26s} {plain_peak:>23s}", *ratios, sep=" | ", flush=True)
+    print(
+      f"{name:26s} {plain_peak:>23s}", floor, *ratios, sep=" | ", flush=True
+    )
 
 
 def main(argv=None) -> None:
