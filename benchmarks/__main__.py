@@ -475,7 +475,7 @@ def table(results) -> str:
       if method == "plain":
         continue
       peer = entry["ratios_to_apply_if_finite"][method]
-      atomic = not method.startswith("plain") and "atomic=False" not in method
+      atomic = method in ("current", "updated")  # The atomic shim's.
       vs_peer = (
         f"{peer['peak_bytes']:.3f} | {peer['median_step_seconds']:.3f}"
         if atomic

@@ -25,8 +25,18 @@ METHODS = (
   "updated",
   "current (atomic=False)",
   "updated (atomic=False)",
+  "current (in place)",
+  "updated (in place)",
 )
-COLOURS = ("#999999", "#1f77b4", "#d62728", "#9ecae1", "#fc9272")
+COLOURS = (
+  "#999999",
+  "#1f77b4",
+  "#d62728",
+  "#9ecae1",
+  "#fc9272",
+  "#2ca02c",
+  "#ff7f0e",
+)
 SHORT = {  # Model names as the figure's axis shows them.
   "MLP 8x1024, batch 256": "MLP 8x1024",
   "Transformer LM (4 blocks, d 256, batch 16)": "transformer\n4 blocks",
@@ -64,16 +74,19 @@ def step_ratio(entry: dict, method: str) -> float:
 def plot(results: dict, title: str, path: str) -> None:
   """Two panels of bars from 1.0 (plain): step time and peak memory."""
   names = list(results["models"])
+  figures = results["models"][names[0]]["figures"]
+  methods = [m for m in METHODS if m in figures]  # What the file measured.
   fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
-  width = 0.8 / len(METHODS)
+  width = 0.8 / len(methods)
   panels = (
     ("step time / plain", step_ratio),
     ("peak memory / plain", lambda e, m: e["ratios"][m]["peak_bytes"]),
   )
   for ax, (label, value) in zip(axes, panels):
     ys = []
-    for i, (method, colour) in enumerate(zip(METHODS, COLOURS)):
-      xs = [n + (i - 2) * width for n in range(len(names))]
+    for i, method in enumerate(methods):
+      colour = COLOURS[METHODS.index(method)]
+      xs = [n + (i - (len(methods) - 1) / 2) * width for n in range(len(names))]
       y = [value(results["models"][name], method) for name in names]
       ax.bar(
         xs, [v - 1 for v in y], width, bottom=1, color=colour, label=method
@@ -90,7 +103,7 @@ def plot(results: dict, title: str, path: str) -> None:
     handles,
     labels,
     loc="upper center",
-    ncol=5,
+    ncol=len(methods),
     fontsize=8,
     bbox_to_anchor=(0.5, 0.93),
     frameon=False,
