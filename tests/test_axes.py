@@ -125,16 +125,20 @@ def test_mean_of_cotangent_without_tracking_averages():
   np.testing.assert_array_equal(got, np.broadcast_to(_X.mean(0), _X.shape))
 
 
-def test_an_unbound_axis_is_refused_naming_it():
-  with pytest.raises(ValueError, match=r"axis 'd' is not bound"):
-    axes.check_bound("d")
-  jax.vmap(lambda x: axes.check_bound("i"), axis_name="i")(_X)  # Bound.
+def test_an_unbound_axis_is_refused_naming_it_and_the_front():
+  front = "immgrad.train_step"
+  with pytest.raises(
+    ValueError, match=r"train_step\(axis_name='d'\): axis 'd' is not"
+  ):
+    axes.check_bound("d", front)
+  jax.vmap(lambda x: axes.check_bound("i", front), axis_name="i")(_X)
 
 
 def test_reduce_dtype_must_be_floating_and_needs_an_axis():
-  assert axes.reduce_dtype_of("bfloat16", "d") == jnp.bfloat16
-  assert axes.reduce_dtype_of(None, None) is None
+  front = "immgrad.value_and_grad"
+  assert axes.reduce_dtype_of("bfloat16", "d", front) == jnp.bfloat16
+  assert axes.reduce_dtype_of(None, None, front) is None
   with pytest.raises(ValueError, match=r"expected a floating dtype.*int32"):
-    axes.reduce_dtype_of(jnp.int32, "d")
+    axes.reduce_dtype_of(jnp.int32, "d", front)
   with pytest.raises(ValueError, match=r"reduce_dtype=bfloat16\) needs an"):
-    axes.reduce_dtype_of(jnp.bfloat16, None)
+    axes.reduce_dtype_of(jnp.bfloat16, None, front)

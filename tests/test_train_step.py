@@ -323,12 +323,23 @@ def test_state_written_without_being_read_is_refused():
 
 
 def test_errors_name_train_step():
+  """Each refusal names immgrad.train_step, not value_and_grad, which it
+  is built on (the mode, tx, reduce_dtype and axis_name checks).
+  """
   _, unrolled = _chain()
   tx = immgrad.shim(optax.adam(1e-2), atomic=False)
   with pytest.raises(ValueError, match=r"^immgrad.train_step: mode must be"):
     immgrad.train_step(oracles.scanned_loss(), tx, mode="newest")
   with pytest.raises(TypeError, match=r"^immgrad.train_step: tx must be"):
     immgrad.train_step(oracles.scanned_loss(), optax.adam(1e-2))
+  bf16 = r"^immgrad.train_step\(reduce_dtype=bfloat16\) needs an axis_name"
+  with pytest.raises(ValueError, match=bf16):
+    immgrad.train_step(oracles.scanned_loss(), tx, reduce_dtype=jnp.bfloat16)
+  params = oracles.stacked(unrolled)
+  step = immgrad.train_step(oracles.scanned_loss(), tx, axis_name="d")
+  unbound = r"^immgrad.train_step\(axis_name='d'\): axis 'd' is not bound"
+  with pytest.raises(ValueError, match=unbound):
+    step(params, tx.init(params), *_data()[0])
 
 
 def test_nested_scans_and_multisteps():

@@ -29,14 +29,16 @@ def _varying(x: Any) -> frozenset:
   return compat.varying_axes(x)
 
 
-def check_bound(axis_name: AxisName) -> None:
-  """Raises a clear error if ``axis_name`` is not bound where it is used."""
+def check_bound(axis_name: AxisName, front: str) -> None:
+  """Raises a clear error if ``axis_name`` is not bound where it is used
+  (``front``: the function the user called, for the message).
+  """
   for name in _names(axis_name):
     try:
       lax.axis_index(name)
     except NameError as e:
       raise ValueError(
-        f"immgrad.value_and_grad(axis_name={axis_name!r}): axis {name!r} "
+        f"{front}(axis_name={axis_name!r}): axis {name!r} "
         "is not bound. Call the training step inside jax.pmap or "
         "jax.shard_map over that axis, or pass axis_name=None (for "
         "example under plain jit over a sharded batch)."
@@ -63,8 +65,10 @@ def local(tree: Any, axis_name: AxisName) -> Any:
   return jax.tree.map(cast, tree)
 
 
-def reduce_dtype_of(reduce_dtype: Any, axis_name: AxisName) -> Any:
-  """``value_and_grad``'s ``reduce_dtype`` as a dtype (or None), checked."""
+def reduce_dtype_of(reduce_dtype: Any, axis_name: AxisName, front: str) -> Any:
+  """``reduce_dtype`` as a dtype (or None), checked (``front``: the
+  function the user called, for the message).
+  """
   if reduce_dtype is None:
     return None
   try:
@@ -73,14 +77,14 @@ def reduce_dtype_of(reduce_dtype: Any, axis_name: AxisName) -> Any:
     dtype = None
   if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
     raise ValueError(
-      "immgrad.value_and_grad(reduce_dtype=...): expected a floating dtype "
+      f"{front}(reduce_dtype=...): expected a floating dtype "
       f"such as jnp.bfloat16 or jnp.float32, got {reduce_dtype!r}. It is "
       "the dtype gradients are averaged over axis_name in; pass None to "
       "average them in their own dtype."
     )
   if axis_name is None:
     raise ValueError(
-      f"immgrad.value_and_grad(reduce_dtype={dtype.name}) needs an "
+      f"{front}(reduce_dtype={dtype.name}) needs an "
       "axis_name: it sets the dtype of the average over that axis, and "
       "with axis_name=None immgrad averages nothing (under plain jit over "
       "a sharded batch XLA reduces in the gradients' own dtype). Pass the "

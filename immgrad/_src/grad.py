@@ -166,7 +166,7 @@ def make(
   gradient (``immgrad.train_step``). ``name`` is the front in errors.
   """
   dx_at = _dx_at(mode, name)
-  reduce_dtype = axes.reduce_dtype_of(reduce_dtype, axis_name)
+  reduce_dtype = axes.reduce_dtype_of(reduce_dtype, axis_name, name)
   if not isinstance(tx, base.ShimTransformation):
     raise TypeError(
       f"{name}: tx must be the optimizer from "
@@ -177,7 +177,7 @@ def make(
     raise TypeError(f"{name}: fun must be callable, got {fun!r}.")
 
   def run_step(params, opt_state, args, whole_loss):
-    axes.check_bound(axis_name)
+    axes.check_bound(axis_name, name)
     keyed, treedef = jax.tree_util.tree_flatten_with_path(params)
     paths = [jax.tree_util.keystr(path) for path, _ in keyed]
     leaves = [leaf for _, leaf in keyed]
