@@ -263,6 +263,19 @@ def test_heldout_against_lr_is_the_seed_mean_with_its_t_interval():
   )
 
 
+def test_runs_that_did_not_learn_are_drawn_off_axis():
+  """A mean over 1.5x the best at its rate (a=1's 3.88 bits where a=-0.5
+  reaches 1.42) is marked off the axis; one 6% above it (plain's 1.51)
+  and every point at a rate where all learn are not.
+  """
+  points = {
+    "plain": [(1e-3, 1.36, 0.0), (4e-3, 1.51, 0.0)],
+    "a=1": [(1e-3, 1.41, 0.0), (4e-3, 3.88, 0.0)],
+    "a=-0.5": [(1e-3, 1.356, 0.0), (4e-3, 1.417, 0.0)],
+  }
+  assert report.off_axis(points) == {("a=1", 4e-3)}
+
+
 def test_each_method_at_its_own_best_lr_pairs_across_rates():
   # At lr 0.2 plain ends 0.1 higher in held-out loss (2.1) and a=1 0.25
   # lower (1.85, 1.95, 2.05: mean 1.95, below its 2.2 at 0.1): plain's

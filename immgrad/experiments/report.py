@@ -767,29 +767,76 @@ def plot_heldout(path: str, records: list[dict], unit: str, title: str) -> None:
   plt.close(fig)
 
 
+def off_axis(points: dict, factor: float = 1.5) -> set:
+  """``(method, lr)`` of the means over ``factor`` times the best mean at
+  their learning rate: runs that did not learn, drawn at the axis's top
+  with their value so that they do not squash the others.
+  """
+  best: dict = {}
+  for rows in points.values():
+    for lr, mean, _ in rows:
+      best[lr] = min(best.get(lr, mean), mean)
+  return {
+    (method, lr)
+    for method, rows in points.items()
+    for lr, mean, _ in rows
+    if mean > factor * best[lr]
+  }
+
+
 def plot_against_lr(path: str, points: dict, unit: str, title: str) -> None:
   """Final held-out loss against learning rate, a line per method;
   ``points``: method -> (lr, mean, half width) (``stats.against_lr``).
+  A mean far above the best at its rate (:func:`off_axis`) is drawn at
+  the top edge as a triangle labelled with its value.
   """
   plt = _pyplot()
   colors = _colors(points)
+  off = off_axis(points)
+  kept = [m for rows in points.values() for _, m, _ in rows]
+  kept = [
+    mean + half
+    for method, rows in points.items()
+    for lr, mean, half in rows
+    if (method, lr) not in off
+  ] or kept
+  top = max(kept) + 0.08 * (max(kept) - min(kept) or 1.0)
   fig, ax = plt.subplots(figsize=(6.5, 4.2))
   for i, (method, rows) in enumerate(points.items()):
     if not rows:
       continue
+    # Each method a little to the side, so that the bars do not cover.
+    x = {lr: lr * 1.02 ** (i - len(points) / 2) for lr, _, _ in rows}
     lrs, means, halves = zip(*rows)
     ax.errorbar(
-      # Each method a little to the side, so that the bars do not cover.
-      [lr * 1.02 ** (i - len(points) / 2) for lr in lrs],
-      means,
-      yerr=halves,
+      [x[lr] for lr in lrs],
+      [top if (method, lr) in off else m for lr, m in zip(lrs, means)],
+      yerr=[0 if (method, lr) in off else h for lr, h in zip(lrs, halves)],
       marker="o",
       capsize=3,
       color=colors[method],
       label=method,
       ls="--" if method in ("current", "a=0") else "-",
     )
+    for lr, mean in zip(lrs, means):
+      if (method, lr) in off:
+        ax.plot(x[lr], top, marker="^", ms=10, color=colors[method])
+        ax.annotate(
+          f"{mean:.2f}",
+          (x[lr], top),
+          textcoords="offset points",
+          xytext=(0, -14 - 9 * i),
+          ha="center",
+          fontsize=7,
+          color=colors[method],
+        )
+  if off:  # Room for the triangles.
+    bottom = ax.get_ylim()[0]
+    ax.set_ylim(bottom, top + 0.04 * (top - bottom))
   ax.set_xscale("log")
+  rates = sorted({lr for rows in points.values() for lr, _, _ in rows})
+  ax.set_xticks(rates, [f"{lr:g}" for lr in rates])
+  ax.minorticks_off()
   ax.set_xlabel("peak learning rate")
   ax.set_ylabel(f"final held-out loss ({unit})")
   ax.grid(True, alpha=0.3)
