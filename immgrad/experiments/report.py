@@ -793,14 +793,13 @@ def plot_against_lr(path: str, points: dict, unit: str, title: str) -> None:
   plt = _pyplot()
   colors = _colors(points)
   off = off_axis(points)
-  kept = [m for rows in points.values() for _, m, _ in rows]
-  kept = [
+  ends = [  # The tops of the bars drawn where they are.
     mean + half
     for method, rows in points.items()
     for lr, mean, half in rows
     if (method, lr) not in off
-  ] or kept
-  top = max(kept) + 0.08 * (max(kept) - min(kept) or 1.0)
+  ] or [0.0]
+  top = max(ends) + 0.08 * (max(ends) - min(ends) or 1.0)
   fig, ax = plt.subplots(figsize=(6.5, 4.2))
   for i, (method, rows) in enumerate(points.items()):
     if not rows:
