@@ -108,7 +108,7 @@ def parse(argv):
     "mode=a for each a of --modes (dX at W + a*(W_new - "
     "W); a=0 is current, a=1 updated), report each a's "
     "final loss over seeds, the best a, and whether any "
-    "nonzero a beats a=0 (paired 95% t interval); with "
+    "nonzero a beats a=0 (paired 95%% t interval); with "
     "--lr-sweep, every lr x a",
   )
   p.add_argument(
