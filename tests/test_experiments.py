@@ -867,6 +867,78 @@ def test_lm_remat_leaves_training_as_it_was():
   )
 
 
+def test_current_for_trains_current_first_then_the_mode():
+  """``current_for=3``: a=1 takes steps 1-3 in mode current, in the same
+  shim state, then its own mode. Its losses (each taken before its step)
+  are a=0's bit for bit through step 4, the same program from the same
+  state; the fifth, after its first a=1 step, differs. Without it a=1
+  leaves a=0 at the third loss (the warm-up's first step has rate 0, and
+  changes nothing). 1e-6 relative is far below a=1's departure.
+  """
+  task = tasks.lm(str(TEXT), "tiny", compute_dtype=None)
+  runs = {
+    k: train.train(
+      task,
+      optimizer_name="adamw",
+      lr=3e-3,
+      steps=6,
+      batch_size=8,
+      seed=0,
+      eval_every=6,
+      methods={"a=0": 0.0, "a=1": 1.0},
+      current_for=k,
+    )
+    for k in (0, 3)
+  }
+  a0 = runs[3]["a=0"].losses
+  assert a0 == runs[0]["a=0"].losses  # a=0 takes no part in it.
+  assert runs[3]["a=1"].losses[:4] == a0[:4]
+  gap = lambda losses, k: abs(losses[k] - a0[k]) / a0[k]
+  assert gap(runs[3]["a=1"].losses, 4) > 1e-6
+  assert gap(runs[0]["a=1"].losses, 2) > 1e-6
+
+
+def test_current_for_is_repeated_merged_alike_and_refused_out_of_range(
+  tmp_path,
+):
+  """--current-for is in the report and the repeat command; a file of
+  plain and a=0 (which it does not change) merges with it, a method with
+  another --current-for does not; it must lie in [0, steps).
+  """
+  common = ("--quick", "--steps", "8", "--seeds", "0", "--modes", "1", "0.5")
+  late, late_out = _run(
+    tmp_path, *common, "--methods", "a=1", "--current-for", "3", name="l"
+  )
+  assert late.returncode == 0, late.stderr[-3000:]
+  assert "mode current for its first 3 steps" in late.stdout
+  assert "--current-for 3" in late.stdout  # "Repeat this run with".
+  result = json.loads((late_out / "results.json").read_text())
+  assert result["settings"]["current_for"] == 3
+  files = {}
+  for name, methods in (("p", ("plain", "a=0")), ("h", ("a=0.5",))):
+    done, files[name] = _run(
+      tmp_path, *common, "--methods", *methods, name=name
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+  merge = lambda *names, out: _run(
+    tmp_path,
+    "--merge",
+    *(str(files.get(n, late_out) / "results.json") for n in names),
+    name=out,
+    devices=None,
+  )
+  alike, alike_out = merge("p", "l", out="m1")
+  assert alike.returncode == 0, alike.stderr[-3000:]
+  assert "mode current for its first 3 steps" in alike.stdout
+  merged = json.loads((alike_out / "results.json").read_text())
+  assert merged["settings"]["current_for"] == 3
+  mixed, _ = merge("p", "l", "h", out="m2")
+  assert mixed.returncode != 0 and "--current-for" in mixed.stderr
+  for k in ("-1", "8"):
+    wrong, _ = _run(tmp_path, *common, "--current-for", k, name="w")
+    assert wrong.returncode != 0 and "--current-for" in wrong.stderr
+
+
 # -- the corpus (immgrad.experiments.corpus) and --data --------------------
 
 _PAGE = """<html><head><title>T</title><style>p {}</style></head><body>

@@ -147,6 +147,16 @@ def parse(argv):
     "layer, in the timed steps); writes dx_change.png",
   )
   p.add_argument(
+    "--current-for",
+    type=int,
+    default=0,
+    metavar="STEPS",
+    help="every immgrad method takes its first STEPS steps in mode "
+    "current (ordinary training) and its own mode after, in the same "
+    "optimizer state: whether a mode's effect comes from the start of "
+    "training",
+  )
+  p.add_argument(
     "--target",
     type=float,
     default=None,
@@ -260,6 +270,12 @@ def _train(args):
     methods = {m: mode for m, mode in methods.items() if m in args.methods}
   steps, batch_size = SIZES[task.name][1 if args.quick else 0]
   steps = args.steps or steps
+  if not 0 <= args.current_for < steps:
+    raise SystemExit(
+      f"immgrad.experiments: --current-for {args.current_for} must be at "
+      f"least 0 and less than the run's {steps} steps (it is how many of "
+      "them the immgrad methods take in mode current)."
+    )
   batch_size = args.batch_size or batch_size
   lr = args.lr or task.default_lr[optimizer]
   seeds = args.seeds or DEFAULT_SEEDS[args.quick]
@@ -283,6 +299,7 @@ def _train(args):
     methods=list(methods),
     measure_dx=args.measure_dx,
     lr_sweep=args.lr_sweep,
+    current_for=args.current_for,
   )
   if task.data is not None:
     settings["data"] = _data_record(task.data, steps, batch_size)
@@ -307,6 +324,7 @@ def _train(args):
         methods=methods,
         measure_dx=args.measure_dx,
         devices=devices,
+        current_for=args.current_for,
       )
       if bar is not None:
         bar.close()
@@ -382,9 +400,23 @@ def _command(args, settings: dict) -> str:
     words.append("--methods " + " ".join(args.methods))
   if args.measure_dx:
     words.append("--measure-dx")
+  if args.current_for:
+    words.append(f"--current-for {args.current_for}")
   if args.target is not None:
     words.append(f"--target {args.target:g}")
   return " ".join(words)
+
+
+def _current_for(settings: dict) -> int | None:
+  """The file's ``--current-for``, or None where no method it trained
+  takes a mode other than current (plain, a=0: unchanged by it).
+  """
+  moved = [
+    m
+    for m in settings["methods"]
+    if m == "updated" or (m.startswith("a=") and float(m[2:]) != 0)
+  ]
+  return settings.get("current_for", 0) if moved else None
 
 
 def _load(args):
@@ -452,6 +484,17 @@ def _load(args):
         "every method."
       )
     run[lr, seed] = {m: runs[m] for m in methods}
+  current_for = {
+    path: _current_for(x["settings"])
+    for path, x in zip(args.merge, loaded)
+    if _current_for(x["settings"]) is not None
+  }
+  if len(set(current_for.values())) > 1:
+    raise SystemExit(
+      "immgrad.experiments --merge: the immgrad methods of these files "
+      f"took different --current-for steps ({current_for}): only runs "
+      "with the same settings merge."
+    )
   settings = dict(first["settings"])
   lrs = sorted({lr for lr, _ in run})
   settings.update(
@@ -461,6 +504,7 @@ def _load(args):
     methods=methods,
     modes=sorted(modes) or None,
     lr_sweep=len(lrs) > 1,
+    current_for=max(current_for.values(), default=0),
     measure_dx=any(r.dx_change for runs in run.values() for r in runs.values()),
     merged_from=[
       dict(path=p, command=x["settings"].get("command"), machine=x["machine"])
@@ -559,6 +603,14 @@ def _report(args, run, info, out):
     f"{settings['batch_size']} over {settings['devices']} devices, "
     f"seeds {settings['seeds']}",
     *_data_line(settings.get("data")),
+    *(
+      [
+        f"every immgrad method in mode current for its first "
+        f"{settings['current_for']} steps, its own mode after"
+      ]
+      if settings.get("current_for")
+      else []
+    ),
     "",
     report.table(aggregates[lr], unit),
     "",

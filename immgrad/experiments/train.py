@@ -192,13 +192,16 @@ def train(
   methods: dict | None = None,
   measure_dx: bool = False,
   devices=None,
+  current_for: int = 0,
 ) -> dict[str, Run]:
   """Trains ``task`` with every method; returns their records.
 
   ``methods``: name -> mode, from :func:`methods_of` (default: plain,
   current, updated). ``measure_dx``: record each immgrad method's dX change
   per layer and step in ``Run.dx_change``. ``devices``: those to train
-  data parallel on (default: all).
+  data parallel on (default: all). ``current_for``: every immgrad method
+  takes its first ``current_for`` steps in mode ``current`` (ordinary
+  training, in the shim's own state) and its own mode after.
 
   Each step runs under ``jax.shard_map`` over the devices (the batch split
   along the data axis, parameters replicated), jitted with parameters and
@@ -225,22 +228,19 @@ def train(
   init = jax.device_get(task.init(seed))  # Fresh buffers per method.
   batches = task.batches(seed, batch_size)
   first = next(task.batches(seed, batch_size))
-  runs, state, compiled = {}, {}, {}
+  runs, state, compiled, early = {}, {}, {}, {}
   for method, mode in methods.items():
-    tx, step = _step_fn(
-      method,
-      mode,
-      task,
-      optimizer(optimizer_name, lr, steps),
-      mesh,
-      measure_dx=measure_dx,
-    )
+    opt = optimizer(optimizer_name, lr, steps)
+    tx, step = _step_fn(method, mode, task, opt, mesh, measure_dx=measure_dx)
     params = jax.device_put(init, replicated)
     opt_state = jax.device_put(tx.init(init), replicated)
+    args = (params, opt_state, *jax.device_put(first, split))
     start = time.perf_counter()
-    compiled[method] = step.lower(
-      params, opt_state, *jax.device_put(first, split)
-    ).compile()
+    compiled[method] = step.lower(*args).compile()
+    if current_for and mode not in (None, 0.0):
+      # The same shim's state, stepped in mode "current".
+      _, step = _step_fn(method, 0.0, task, opt, mesh, measure_dx=measure_dx)
+      early[method] = step.lower(*args).compile()
     runs[method] = Run(method, compile_seconds=time.perf_counter() - start)
     if measure_dx and mode is not None:
       runs[method].dx_change = {}
@@ -260,8 +260,11 @@ def train(
       run = runs[method]
       if run.diverged_at is not None:
         continue
+      step = early[method] if i < current_for and method in early else None
       start = time.perf_counter()
-      params, opt_state, loss, *dx = compiled[method](*state[method], *batch)
+      params, opt_state, loss, *dx = (step or compiled[method])(
+        *state[method], *batch
+      )
       loss = float(loss) * task.loss_scale
       run.seconds.append(time.perf_counter() - start)
       run.losses.append(loss)
