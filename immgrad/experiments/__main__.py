@@ -484,11 +484,11 @@ def _load(args):
         "every method."
       )
     run[lr, seed] = {m: runs[m] for m in methods}
-  current_for = {
-    path: _current_for(x["settings"])
-    for path, x in zip(args.merge, loaded)
-    if _current_for(x["settings"]) is not None
-  }
+  current_for: dict[str, int] = {}
+  for path, x in zip(args.merge, loaded):
+    value = _current_for(x["settings"])
+    if value is not None:
+      current_for[path] = value
   if len(set(current_for.values())) > 1:
     raise SystemExit(
       "immgrad.experiments --merge: the immgrad methods of these files "
