@@ -147,6 +147,16 @@ def parse(argv):
     "layer, in the timed steps); writes dx_change.png",
   )
   p.add_argument(
+    "--step",
+    choices=train_lib.STEPS,
+    default="optax",
+    help="how the immgrad methods' step is written: optax (default), "
+    "value_and_grad + tx.update + apply_updates with shim(atomic=False); "
+    "atomic, the same with the default atomic shim; in-place, "
+    "immgrad.train_step with shim(atomic=False), each layer's new weights "
+    "written over the old (no --measure-dx)",
+  )
+  p.add_argument(
     "--current-for",
     type=int,
     default=0,
@@ -270,6 +280,12 @@ def _train(args):
     methods = {m: mode for m, mode in methods.items() if m in args.methods}
   steps, batch_size = SIZES[task.name][1 if args.quick else 0]
   steps = args.steps or steps
+  if args.step == "in-place" and args.measure_dx:
+    raise SystemExit(
+      "immgrad.experiments: --measure-dx measures through "
+      "immgrad.value_and_grad; --step in-place has no such channel. Measure "
+      "with --step optax (the same arithmetic, optax's step)."
+    )
   if not 0 <= args.current_for < steps:
     raise SystemExit(
       f"immgrad.experiments: --current-for {args.current_for} must be at "
@@ -300,6 +316,7 @@ def _train(args):
     measure_dx=args.measure_dx,
     lr_sweep=args.lr_sweep,
     current_for=args.current_for,
+    step=args.step,
   )
   if task.data is not None:
     settings["data"] = _data_record(task.data, steps, batch_size)
@@ -325,6 +342,7 @@ def _train(args):
         measure_dx=args.measure_dx,
         devices=devices,
         current_for=args.current_for,
+        step_kind=args.step,
       )
       if bar is not None:
         bar.close()
@@ -402,9 +420,18 @@ def _command(args, settings: dict) -> str:
     words.append("--measure-dx")
   if args.current_for:
     words.append(f"--current-for {args.current_for}")
+  if args.step != "optax":
+    words.append(f"--step {args.step}")
   if args.target is not None:
     words.append(f"--target {args.target:g}")
   return " ".join(words)
+
+
+STEP_WORDS = {  # --step, as the report names it.
+  "optax": "value_and_grad + tx.update + apply_updates, shim(atomic=False)",
+  "atomic": "value_and_grad + tx.update + apply_updates, the atomic shim",
+  "in-place": "immgrad.train_step, shim(atomic=False): weights in place",
+}
 
 
 def _current_for(settings: dict) -> int | None:
@@ -417,6 +444,12 @@ def _current_for(settings: dict) -> int | None:
     if m == "updated" or (m.startswith("a=") and float(m[2:]) != 0)
   ]
   return settings.get("current_for", 0) if moved else None
+
+
+def _step_kind(settings: dict) -> str | None:
+  """The file's ``--step``, or None where it trained plain alone."""
+  immgrad_methods = [m for m in settings["methods"] if m != "plain"]
+  return settings.get("step", "optax") if immgrad_methods else None
 
 
 def _load(args):
@@ -495,6 +528,17 @@ def _load(args):
       f"took different --current-for steps ({current_for}): only runs "
       "with the same settings merge."
     )
+  kinds: dict[str, str] = {}
+  for path, x in zip(args.merge, loaded):
+    kind = _step_kind(x["settings"])
+    if kind is not None:
+      kinds[path] = kind
+  if len(set(kinds.values())) > 1:
+    raise SystemExit(
+      "immgrad.experiments --merge: the immgrad methods of these files "
+      f"were stepped differently (--step: {kinds}): only runs with the "
+      "same settings merge."
+    )
   settings = dict(first["settings"])
   lrs = sorted({lr for lr, _ in run})
   settings.update(
@@ -505,6 +549,7 @@ def _load(args):
     modes=sorted(modes) or None,
     lr_sweep=len(lrs) > 1,
     current_for=max(current_for.values(), default=0),
+    step=next(iter(kinds.values()), "optax"),
     measure_dx=any(r.dx_change for runs in run.values() for r in runs.values()),
     merged_from=[
       dict(path=p, command=x["settings"].get("command"), machine=x["machine"])
@@ -611,6 +656,7 @@ def _report(args, run, info, out):
       if settings.get("current_for")
       else []
     ),
+    f"immgrad's step: {STEP_WORDS[settings.get('step', 'optax')]}",
     "",
     report.table(aggregates[lr], unit),
     "",

@@ -133,10 +133,29 @@ def _per_layer(dx_change) -> dict:
   return out
 
 
-def _step_fn(method, mode, task, opt, mesh, measure_dx=False):
-  """The jitted, sharded training step of ``method``, and its optimizer."""
+STEPS = ("optax", "atomic", "in-place")
+
+
+def _step_fn(method, mode, task, opt, mesh, measure_dx=False, kind="optax"):
+  """The jitted, sharded training step of ``method``, and its optimizer.
+
+  ``kind`` (an immgrad method's step): ``"optax"``, ``value_and_grad`` +
+  ``tx.update`` + ``optax.apply_updates`` with ``shim(opt,
+  atomic=False)``; ``"atomic"``, the same with the default atomic shim;
+  ``"in-place"``, ``immgrad.train_step`` with ``shim(opt, atomic=False)``,
+  each layer's new weights written over the old.
+  """
   dx_out = ()
-  if mode is None:
+  if mode is not None and kind == "in-place":
+    tx = immgrad.shim(opt, atomic=False)
+    whole = immgrad.train_step(task.loss_fn, tx, mode=mode, axis_name=AXIS)
+
+    def in_place(params, opt_state, inputs, targets):
+      loss, params, opt_state = whole(params, opt_state, inputs, targets)
+      return params, opt_state, jax.lax.pmean(loss, AXIS)
+
+    step = in_place
+  elif mode is None:
     tx = opt
 
     def plain_step(params, opt_state, inputs, targets):
@@ -151,7 +170,7 @@ def _step_fn(method, mode, task, opt, mesh, measure_dx=False):
 
     step = plain_step
   else:
-    tx = immgrad.shim(opt, atomic=False)
+    tx = immgrad.shim(opt, atomic=kind == "atomic")
     grad_fn = immgrad.value_and_grad(
       task.loss_fn, tx, mode=mode, axis_name=AXIS, measure_dx=measure_dx
     )
@@ -193,6 +212,7 @@ def train(
   measure_dx: bool = False,
   devices=None,
   current_for: int = 0,
+  step_kind: str = "optax",
 ) -> dict[str, Run]:
   """Trains ``task`` with every method; returns their records.
 
@@ -202,6 +222,8 @@ def train(
   data parallel on (default: all). ``current_for``: every immgrad method
   takes its first ``current_for`` steps in mode ``current`` (ordinary
   training, in the shim's own state) and its own mode after.
+  ``step_kind``: how the immgrad methods' step is written (``STEPS``; see
+  ``_step_fn``).
 
   Each step runs under ``jax.shard_map`` over the devices (the batch split
   along the data axis, parameters replicated), jitted with parameters and
@@ -210,9 +232,10 @@ def train(
   turns in an order that rotates every step, so that drift in the machine's
   speed (another process, thermal throttling) falls on all of them alike. A
   step's time is the wall time from dispatch until its loss is on the host;
-  compilation is done, and timed, before the first step. The shim runs with
-  ``atomic=False``: a non-finite step is applied, as plain optax would, and
-  counted as a divergence.
+  compilation is done, and timed, before the first step. But with
+  ``step_kind="atomic"`` the shim runs with ``atomic=False``: a non-finite
+  step is applied, as plain optax would; a non-finite loss is counted as a
+  divergence either way.
   """
   methods = methods or methods_of()
   names = tuple(methods)
@@ -231,7 +254,9 @@ def train(
   runs, state, compiled, early = {}, {}, {}, {}
   for method, mode in methods.items():
     opt = optimizer(optimizer_name, lr, steps)
-    tx, step = _step_fn(method, mode, task, opt, mesh, measure_dx=measure_dx)
+    tx, step = _step_fn(
+      method, mode, task, opt, mesh, measure_dx=measure_dx, kind=step_kind
+    )
     params = jax.device_put(init, replicated)
     opt_state = jax.device_put(tx.init(init), replicated)
     args = (params, opt_state, *jax.device_put(first, split))
@@ -239,7 +264,9 @@ def train(
     compiled[method] = step.lower(*args).compile()
     if current_for and mode not in (None, 0.0):
       # The same shim's state, stepped in mode "current".
-      _, step = _step_fn(method, 0.0, task, opt, mesh, measure_dx=measure_dx)
+      _, step = _step_fn(
+        method, 0.0, task, opt, mesh, measure_dx=measure_dx, kind=step_kind
+      )
       early[method] = step.lower(*args).compile()
     runs[method] = Run(method, compile_seconds=time.perf_counter() - start)
     if measure_dx and mode is not None:
