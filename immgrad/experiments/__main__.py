@@ -452,6 +452,25 @@ def _step_kind(settings: dict) -> str | None:
   return settings.get("step", "optax") if immgrad_methods else None
 
 
+def _agreed(flag: str, of_file, paths: list, loaded: list):
+  """The one value of ``flag`` the files it bears on share (``of_file``:
+  a file's settings -> its value, or None where the flag does not bear
+  on its methods); None if it bears on none.
+  """
+  values = {}
+  for path, payload in zip(paths, loaded):
+    value = of_file(payload["settings"])
+    if value is not None:
+      values[path] = value
+  if len(set(values.values())) > 1:
+    raise SystemExit(
+      "immgrad.experiments --merge: the immgrad methods of these files "
+      f"were run with different {flag} ({values}): only runs with the "
+      "same settings merge."
+    )
+  return next(iter(values.values()), None)
+
+
 def _load(args):
   """``--merge``: the runs of several results.json, as if run together."""
   loaded = [report.read_json(path) for path in args.merge]
@@ -517,28 +536,8 @@ def _load(args):
         "every method."
       )
     run[lr, seed] = {m: runs[m] for m in methods}
-  current_for: dict[str, int] = {}
-  for path, x in zip(args.merge, loaded):
-    value = _current_for(x["settings"])
-    if value is not None:
-      current_for[path] = value
-  if len(set(current_for.values())) > 1:
-    raise SystemExit(
-      "immgrad.experiments --merge: the immgrad methods of these files "
-      f"took different --current-for steps ({current_for}): only runs "
-      "with the same settings merge."
-    )
-  kinds: dict[str, str] = {}
-  for path, x in zip(args.merge, loaded):
-    kind = _step_kind(x["settings"])
-    if kind is not None:
-      kinds[path] = kind
-  if len(set(kinds.values())) > 1:
-    raise SystemExit(
-      "immgrad.experiments --merge: the immgrad methods of these files "
-      f"were stepped differently (--step: {kinds}): only runs with the "
-      "same settings merge."
-    )
+  current_for = _agreed("--current-for", _current_for, args.merge, loaded)
+  step_kind = _agreed("--step", _step_kind, args.merge, loaded)
   settings = dict(first["settings"])
   lrs = sorted({lr for lr, _ in run})
   settings.update(
@@ -548,8 +547,8 @@ def _load(args):
     methods=methods,
     modes=sorted(modes) or None,
     lr_sweep=len(lrs) > 1,
-    current_for=max(current_for.values(), default=0),
-    step=next(iter(kinds.values()), "optax"),
+    current_for=current_for or 0,
+    step=step_kind or "optax",
     measure_dx=any(r.dx_change for runs in run.values() for r in runs.values()),
     merged_from=[
       dict(path=p, command=x["settings"].get("command"), machine=x["machine"])
