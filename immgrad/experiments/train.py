@@ -232,8 +232,8 @@ def train(
   turns in an order that rotates every step, so that drift in the machine's
   speed (another process, thermal throttling) falls on all of them alike. A
   step's time is the wall time from dispatch until its loss is on the host;
-  compilation is done, and timed, before the first step. But with
-  ``step_kind="atomic"`` the shim runs with ``atomic=False``: a non-finite
+  compilation is done, and timed, before the first step. Unless
+  ``step_kind="atomic"``, the shim runs with ``atomic=False``: a non-finite
   step is applied, as plain optax would; a non-finite loss is counted as a
   divergence either way.
   """
@@ -262,7 +262,7 @@ def train(
     args = (params, opt_state, *jax.device_put(first, split))
     start = time.perf_counter()
     compiled[method] = step.lower(*args).compile()
-    if current_for and mode not in (None, 0.0):
+    if current_for and mode not in (None, 0.0, "current"):
       # The same shim's state, stepped in mode "current".
       _, step = _step_fn(
         method, 0.0, task, opt, mesh, measure_dx=measure_dx, kind=step_kind
@@ -287,11 +287,10 @@ def train(
       run = runs[method]
       if run.diverged_at is not None:
         continue
-      step = early[method] if i < current_for and method in early else None
+      early_step = i < current_for and method in early
+      step = early[method] if early_step else compiled[method]
       start = time.perf_counter()
-      params, opt_state, loss, *dx = (step or compiled[method])(
-        *state[method], *batch
-      )
+      params, opt_state, loss, *dx = step(*state[method], *batch)
       loss = float(loss) * task.loss_scale
       run.seconds.append(time.perf_counter() - start)
       run.losses.append(loss)
