@@ -832,20 +832,29 @@ def test_lm_bfloat16_a0_steps_as_plain_from_the_same_state():
     params, state = new, new_state
 
 
+def _tiny_lm(methods: dict, task=None, **options) -> dict:
+  """Six steps of the tiny lm (``TEXT``, float32; adamw 3e-3, batch 8,
+  seed 0) with ``methods`` and the ``train.train`` ``options``.
+  """
+  task = task or tasks.lm(str(TEXT), "tiny", compute_dtype=None)
+  return train.train(
+    task,
+    optimizer_name="adamw",
+    lr=3e-3,
+    steps=6,
+    batch_size=8,
+    seed=0,
+    eval_every=6,
+    methods=methods,
+    **options,
+  )
+
+
 def test_lm_remat_leaves_training_as_it_was():
   runs = {}
   for remat in (False, True):
     task = tasks.lm(str(TEXT), "tiny", compute_dtype=None, remat=remat)
-    runs[remat] = train.train(
-      task,
-      optimizer_name="adamw",
-      lr=3e-3,
-      steps=6,
-      batch_size=8,
-      seed=0,
-      eval_every=6,
-      methods={"plain": None, "a=1": 1.0},
-    )
+    runs[remat] = _tiny_lm({"plain": None, "a=1": 1.0}, task)
   assert "blocks under hk.remat" in task.description
   # hk.remat recomputes the blocks' forward pass in the backward pass: the
   # same arithmetic, fused differently. Losses to 1e-6 relative (measured:
@@ -875,21 +884,7 @@ def test_current_for_trains_current_first_then_the_mode():
   leaves a=0 at the third loss (the warm-up's first step has rate 0, and
   changes nothing). 1e-6 relative is far below a=1's departure.
   """
-  task = tasks.lm(str(TEXT), "tiny", compute_dtype=None)
-  runs = {
-    k: train.train(
-      task,
-      optimizer_name="adamw",
-      lr=3e-3,
-      steps=6,
-      batch_size=8,
-      seed=0,
-      eval_every=6,
-      methods={"a=0": 0.0, "a=1": 1.0},
-      current_for=k,
-    )
-    for k in (0, 3)
-  }
+  runs = {k: _tiny_lm({"a=0": 0.0, "a=1": 1.0}, current_for=k) for k in (0, 3)}
   a0 = runs[3]["a=0"].losses
   assert a0 == runs[0]["a=0"].losses  # a=0 takes no part in it.
   assert runs[3]["a=1"].losses[:4] == a0[:4]
@@ -947,21 +942,8 @@ def test_each_way_of_writing_the_step_trains_alike():
   over 6 steps, where a=1 leaves a=0 by 5e-3 (the test above), and a=0
   stays plain's.
   """
-  task = tasks.lm(str(TEXT), "tiny", compute_dtype=None)
-  runs = {
-    kind: train.train(
-      task,
-      optimizer_name="adamw",
-      lr=3e-3,
-      steps=6,
-      batch_size=8,
-      seed=0,
-      eval_every=6,
-      methods={"plain": None, "a=0": 0.0, "a=1": 1.0},
-      step_kind=kind,
-    )
-    for kind in train.STEPS
-  }
+  methods = {"plain": None, "a=0": 0.0, "a=1": 1.0}
+  runs = {kind: _tiny_lm(methods, step_kind=kind) for kind in train.STEPS}
   for kind in train.STEPS:
     for method in ("plain", "a=0", "a=1"):
       np.testing.assert_allclose(
