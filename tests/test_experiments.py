@@ -580,6 +580,12 @@ def test_split_runs_merge_into_the_joint_run(tmp_path):
   assert "Steps behind plain" in merged.stdout
   assert result["settings"]["methods"] == ["plain", "a=0", "a=1"]
   assert len(result["settings"]["merged_from"]) == 2
+  # The repeat commands are each file's, not the first file's as the
+  # merge's own.
+  assert result["settings"]["command"] is None
+  for part in (a, b):
+    command = json.loads((part / "results.json").read_text())["settings"]
+    assert f"  {command['command']}" in merged.stdout
   # Each method's run is the same whether it trained alone or beside the
   # others: same initialisation, batches and program, bit for bit.
   key = lambda r: (r["method"], r["lr"], r["seed"])
@@ -780,8 +786,8 @@ def test_lm_bfloat16_a0_steps_as_plain_from_the_same_state():
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
   # The runner's own jitted steps (shard_map over one device, donated).
-  _, plain_step = train._step_fn("plain", None, task, opt, mesh)
-  tx, a0_step = train._step_fn("a=0", 0.0, task, opt, mesh)
+  _, plain_step = train._step_fn(None, task, opt, mesh)
+  tx, a0_step = train._step_fn(0.0, task, opt, mesh)
   plain_grad = jax.jit(jax.grad(task.loss_fn))
   a0_grad = jax.jit(immgrad.value_and_grad(task.loss_fn, tx, mode=0.0))
   params = jax.device_get(task.init(0))
@@ -988,6 +994,9 @@ def test_step_kind_is_reported_merged_alike_and_checked(tmp_path):
     tmp_path, *common, "--step", "in-place", "--measure-dx", name="w"
   )
   assert wrong.returncode != 0 and "--measure-dx" in wrong.stderr
+  # train() itself refuses the pair, for its Python callers.
+  with pytest.raises(ValueError, match="step_kind='in-place'"):
+    _tiny_lm({"a=1": 1.0}, measure_dx=True, step_kind="in-place")
 
 
 # -- the corpus (immgrad.experiments.corpus) and --data --------------------

@@ -541,6 +541,7 @@ def _load(args):
   settings = dict(first["settings"])
   lrs = sorted({lr for lr, _ in run})
   settings.update(
+    command=None,  # Each file's is in merged_from.
     lr=args.lr or settings["lr"],
     lrs=lrs,
     seeds=sorted({seed for _, seed in run}),
@@ -718,6 +719,11 @@ def _report(args, run, info, out):
   text += ["", report.DEFINITIONS.strip()]
   if settings.get("command"):
     text += ["", f"Repeat this run with: {settings['command']}"]
+  elif settings.get("merged_from"):
+    text += ["", "Repeat these runs with (then --merge their results.json):"]
+    text += [
+      f"  {x['command']}" for x in settings["merged_from"] if x["command"]
+    ]
   print("\n".join(text))
 
   report.write_json(

@@ -136,7 +136,7 @@ def _per_layer(dx_change) -> dict:
 STEPS = ("optax", "atomic", "in-place")
 
 
-def _step_fn(method, mode, task, opt, mesh, measure_dx=False, kind="optax"):
+def _step_fn(mode, task, opt, mesh, measure_dx=False, kind="optax"):
   """The jitted, sharded training step of ``method``, and its optimizer.
 
   ``kind`` (an immgrad method's step): ``"optax"``, ``value_and_grad`` +
@@ -237,6 +237,12 @@ def train(
   step is applied, as plain optax would; a non-finite loss is counted as a
   divergence either way.
   """
+  if measure_dx and step_kind == "in-place":
+    raise ValueError(
+      "train(measure_dx=True) measures through immgrad.value_and_grad; "
+      "step_kind='in-place' (immgrad.train_step) has no such channel. "
+      "Measure with step_kind='optax' (the same arithmetic, optax's step)."
+    )
   methods = methods or methods_of()
   names = tuple(methods)
   devices = list(devices or jax.devices())
@@ -255,7 +261,7 @@ def train(
   for method, mode in methods.items():
     opt = optimizer(optimizer_name, lr, steps)
     tx, step = _step_fn(
-      method, mode, task, opt, mesh, measure_dx=measure_dx, kind=step_kind
+      mode, task, opt, mesh, measure_dx=measure_dx, kind=step_kind
     )
     params = jax.device_put(init, replicated)
     opt_state = jax.device_put(tx.init(init), replicated)
@@ -265,7 +271,7 @@ def train(
     if current_for and mode not in (None, 0.0, "current"):
       # The same shim's state, stepped in mode "current".
       _, step = _step_fn(
-        method, 0.0, task, opt, mesh, measure_dx=measure_dx, kind=step_kind
+        0.0, task, opt, mesh, measure_dx=measure_dx, kind=step_kind
       )
       early[method] = step.lower(*args).compile()
     runs[method] = Run(method, compile_seconds=time.perf_counter() - start)
