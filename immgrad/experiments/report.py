@@ -720,45 +720,95 @@ def heldout(record: dict) -> tuple[list, list]:
   return [e["step"] for e in evals], [e["heldout_loss"] for e in evals]
 
 
+def heldout_gaps(records: list[dict]) -> dict:
+  """Each method's held-out loss minus plain's, paired by seed: lr ->
+  method -> step -> the differences over the seeds where both were
+  evaluated at that step (a run that diverged stops being evaluated).
+
+  >>> runs = [
+  ...   dict(lr=0.1, seed=s, method=m, evals=[{"step": 10, "heldout_loss": v}])
+  ...   for s, m, v in [(0, "plain", 2.0), (0, "a=1", 2.5), (1, "plain", 3.0),
+  ...                   (1, "a=1", 2.75)]
+  ... ]
+  >>> heldout_gaps(runs)
+  {0.1: {'a=1': {10: [0.5, -0.25]}}}
+  """
+  plain = {
+    (r["lr"], r["seed"]): dict(zip(*heldout(r)))
+    for r in records
+    if r["method"] == "plain"
+  }
+  out = {}
+  for r in records:
+    reference = plain.get((r["lr"], r["seed"]))
+    if r["method"] == "plain" or reference is None:
+      continue
+    by_step = out.setdefault(r["lr"], {}).setdefault(r["method"], {})
+    for step, loss in zip(*heldout(r)):
+      if step in reference:
+        by_step.setdefault(step, []).append(loss - reference[step])
+  return out
+
+
+def _mean_and_band(ax, by_step: dict, label: str, color) -> None:
+  """A line through the mean over seeds at each step, a band from the
+  lowest to the highest seed.
+  """
+  x = sorted(by_step)
+  values = [np.asarray(by_step[s], np.float64) for s in x]
+  ax.plot(x, [v.mean() for v in values], label=label, lw=1.4, color=color)
+  ax.fill_between(
+    x,
+    [v.min() for v in values],
+    [v.max() for v in values],
+    alpha=0.2,
+    color=color,
+  )
+
+
 def plot_heldout(path: str, records: list[dict], unit: str, title: str) -> None:
-  """Held-out loss against step, one panel per lr: per method the mean
-  over seeds (line) and the lowest to highest seed (band); linear axis.
+  """Held-out loss against step, a column per lr: per method the mean over
+  seeds (line) and the lowest to highest seed (band); where plain ran, a
+  second row draws each method's loss minus plain's, paired by seed
+  (:func:`heldout_gaps`), alike. Linear axes.
   """
   plt = _pyplot()
   lrs = sorted({r["lr"] for r in records})
   colors = _colors([r["method"] for r in records])
+  gaps = heldout_gaps(records)
+  rows = 2 if any(gaps.values()) else 1
   fig, axes = plt.subplots(
-    1,
+    rows,
     len(lrs),
     squeeze=False,
-    sharey=True,
-    figsize=(max(6.5, 4.6 * len(lrs) + 1), 4.3),
+    sharex="col",
+    figsize=(max(6.5, 4.6 * len(lrs) + 1), 4.3 + 3.2 * (rows - 1)),
   )
-  for ax, lr in zip(axes[0], lrs):
+  for ax in axes[0][1:]:
+    ax.sharey(axes[0][0])  # The losses on one scale; each gap on its own.
+  for column, lr in enumerate(lrs):
+    ax = axes[0][column]
     for method in colors:
       by_step = {}
       for r in records:
         if r["lr"] == lr and r["method"] == method:
           for step, loss in zip(*heldout(r)):
             by_step.setdefault(step, []).append(loss)
-      if not by_step:
-        continue
-      x = sorted(by_step)
-      values = [np.asarray(by_step[s], np.float64) for s in x]
-      style = dict(color=colors[method])
-      ax.plot(x, [v.mean() for v in values], label=method, lw=1.4, **style)
-      ax.fill_between(
-        x,
-        [v.min() for v in values],
-        [v.max() for v in values],
-        alpha=0.2,
-        **style,
-      )
+      if by_step:
+        _mean_and_band(ax, by_step, method, colors[method])
     ax.set_title(f"lr {lr:g}", fontsize=9)
-    ax.set_xlabel("step")
-    ax.grid(True, alpha=0.3)
+    if rows == 2:
+      below = axes[1][column]
+      for method, by_step in gaps.get(lr, {}).items():
+        _mean_and_band(below, by_step, method, colors[method])
+      below.axhline(0, color=colors.get("plain", "gray"), lw=0.8)
+    for a in axes[:, column]:
+      a.grid(True, alpha=0.3)
+    axes[-1][column].set_xlabel("step")
   axes[0][0].set_ylabel(f"held-out loss ({unit})")
   axes[0][0].legend(fontsize=8)
+  if rows == 2:
+    axes[1][0].set_ylabel("method minus plain, same seed")
   fig.suptitle(
     f"{title}\nline: mean over seeds, band: lowest to highest seed", fontsize=9
   )
