@@ -658,6 +658,27 @@ def _lm_steps(task, opt, n, immediate):
   return out
 
 
+def test_lm_blocks_varies_depth_alone():
+  two = tasks.lm(str(TEXT), "tiny", blocks=2)
+  three = tasks.lm(str(TEXT), "tiny", blocks=3)
+  count = lambda task: sum(x.size for x in jax.tree.leaves(task.init(0)))
+  # One more block at d_model 64, by hand: two LayerNorms 2 x (64 + 64),
+  # q/k/v 64 x 192 + 192, attention out 64 x 64 + 64, MLP up 64 x 256 +
+  # 256, MLP down 256 x 64 + 64.
+  assert count(three) - count(two) == 49_984
+  assert count(two) == 137_216  # tiny's own two blocks (lm.md's table).
+  assert "(3 pre-LN blocks, d_model 64," in three.description
+  args = runner.parse(["--task", "lm", "--blocks", "3"])
+  settings = dict(
+    optimizer="adamw", lr=3e-3, steps=6, batch_size=8, devices=1, seeds=[0]
+  )
+  assert "--size tiny --blocks 3 " in runner._command(args, settings)
+  with pytest.raises(SystemExit, match="--blocks"):
+    runner.main(["--task", "digits", "--blocks", "3"])
+  with pytest.raises(SystemExit, match="--blocks 0: give at least 1"):
+    runner.main(["--task", "lm", "--blocks", "0"])
+
+
 def test_lm_adamw_schedule_and_decay_mask_step_as_plain_optax():
   task = tasks.lm(str(TEXT), "tiny", compute_dtype=None)
   init = task.init(0)

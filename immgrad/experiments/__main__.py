@@ -51,6 +51,13 @@ def parse(argv):
     "small ~10.9M and base ~85M parameters, context 512)",
   )
   p.add_argument(
+    "--blocks",
+    type=int,
+    default=None,
+    help="lm task: this many blocks instead of the size's, all else as "
+    "the size (depth alone varied)",
+  )
+  p.add_argument(
     "--remat",
     action="store_true",
     help="lm task: recompute each block's activations in the "
@@ -244,9 +251,14 @@ def _train(args):
   except RuntimeError:  # The backend started before us: as it is.
     pass
   devices = training_devices(args.devices)
-  if (args.size or args.remat) and args.task != "lm":
+  if (args.size or args.remat or args.blocks) and args.task != "lm":
     raise SystemExit(
-      "immgrad.experiments: --size and --remat are for --task lm only."
+      "immgrad.experiments: --size, --blocks and --remat are for --task lm "
+      "only."
+    )
+  if args.blocks is not None and args.blocks < 1:
+    raise SystemExit(
+      f"immgrad.experiments: --blocks {args.blocks}: give at least 1."
     )
   if (args.text or args.data) and args.task not in tasks_lib.TEXT_TASKS:
     raise SystemExit(
@@ -257,7 +269,11 @@ def _train(args):
     raise SystemExit("immgrad.experiments: give --text or --data, not both.")
   if args.task == "lm":
     task = tasks_lib.lm(
-      args.text, args.size or "tiny", remat=args.remat, data=args.data
+      args.text,
+      args.size or "tiny",
+      remat=args.remat,
+      data=args.data,
+      blocks=args.blocks,
     )
   elif args.task in tasks_lib.TEXT_TASKS:
     task = tasks_lib.TASKS[args.task](args.text, data=args.data)
@@ -389,6 +405,8 @@ def _command(args, settings: dict) -> str:
   words = ["python -m immgrad.experiments", f"--task {args.task}"]
   if args.size or args.task == "lm":
     words.append(f"--size {args.size or 'tiny'}")
+  if args.blocks:
+    words.append(f"--blocks {args.blocks}")
   if args.remat:
     words.append("--remat")
   if args.text:

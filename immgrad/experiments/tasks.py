@@ -538,6 +538,7 @@ def lm(
   compute_dtype: Any | None = "auto",
   remat: bool = False,
   data: str | None = None,
+  blocks: int | None = None,
 ) -> Task:
   """A GPT-style byte-level LM (``LM_SIZES``); last 10% of the text held out.
 
@@ -548,12 +549,17 @@ def lm(
   of the standard library, the others all its top-level source files;
   ``data``: a corpus folder instead (:func:`read_corpus`), each byte once.
   ``remat``: every block under ``hk.remat`` (less memory, ~23% more FLOPs).
+  ``blocks``: that many blocks instead of the size's, all else as the size
+  (to vary depth alone).
   """
   if size not in LM_SIZES:
     raise ValueError(
       f"unknown lm size {size!r}: choose one of {', '.join(LM_SIZES)}."
     )
-  blocks, d_model, heads, seq = LM_SIZES[size]
+  if blocks is not None and blocks < 1:
+    raise ValueError(f"lm blocks={blocks}: give at least 1 block.")
+  own, d_model, heads, seq = LM_SIZES[size]
+  blocks = blocks or own
   if compute_dtype == "auto":
     compute_dtype = (
       jnp.bfloat16
