@@ -165,6 +165,32 @@ def test_lr_sweep_reports_divergence(tmp_path):
   assert "diverged at step" in done.stdout
 
 
+def test_sweep_table_names_runs_that_did_not_learn():
+  def agg(mean, diverged_at=()):
+    loss = None if diverged_at else {"mean": mean, "std": 0.0, "n": 1, "of": 1}
+    return {
+      "final_smoothed_train_loss": loss,
+      "diverged_runs": len(diverged_at),
+      "diverged_at": list(diverged_at),
+    }
+
+  # a=1 at 4e-3 stays 2.6x above plain (a plateau, no NaN): named; at
+  # 1e-3, 1.4x: not. At 8e-3 plain diverged and a=1 alone sets the best.
+  aggregates = {
+    1e-3: {"plain": agg(1.5), "a=1": agg(2.1)},
+    4e-3: {"plain": agg(1.5), "a=1": agg(3.9)},
+    8e-3: {"plain": agg(None, diverged_at=[7]), "a=1": agg(3.9)},
+  }
+  methods = ["plain", "a=1"]
+  text = runner._sweep_table(
+    runner._sweep(aggregates, methods), aggregates, methods
+  )
+  assert "| 0.004 | 1.5 | 3.9 (did not learn) |" in text
+  assert "| 0.001 | 1.5 | 2.1 |" in text
+  assert "| 0.008 | diverged at step 7 | 3.9 |" in text
+  assert "did not learn: a final loss over 1.5x the lowest" in text
+
+
 def test_chars_on_a_given_text(tmp_path):
   done, out = _run(
     tmp_path,

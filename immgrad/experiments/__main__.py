@@ -911,6 +911,16 @@ def _sweep_table(sweep, aggregates, methods):
     "| lr | " + " | ".join(methods) + " |",
     "|" + " --- |" * (len(methods) + 1),
   ]
+  finals = {
+    m: [
+      (lr_value, by_method[m]["final_smoothed_train_loss"]["mean"], 0.0)
+      for lr_value, by_method in aggregates.items()
+      if not by_method[m]["diverged_runs"]
+      and by_method[m]["final_smoothed_train_loss"] is not None
+    ]
+    for m in methods
+  }
+  stalled = report.off_axis(finals)
   for lr_value in sorted(aggregates):
     cells = []
     for m in methods:
@@ -920,8 +930,17 @@ def _sweep_table(sweep, aggregates, methods):
           "diverged at step " + ", ".join(str(s) for s in agg["diverged_at"])
         )
       else:
-        cells.append(report._cell(agg["final_smoothed_train_loss"]))
+        cell = report._cell(agg["final_smoothed_train_loss"])
+        cells.append(
+          cell + (" (did not learn)" if (m, lr_value) in stalled else "")
+        )
     rows.append(f"| {lr_value:g} | " + " | ".join(cells) + " |")
+  if stalled:
+    rows += [
+      "",
+      "did not learn: a final loss over 1.5x the lowest at its learning "
+      "rate (no NaN, so not counted as diverged).",
+    ]
   rows.append("")
   for m in methods:
     s = sweep[m]
