@@ -258,7 +258,9 @@ def _train(args):
     )
   if args.blocks is not None and args.blocks < 1:
     raise SystemExit(
-      f"immgrad.experiments: --blocks {args.blocks}: give at least 1."
+      f"immgrad.experiments: --blocks {args.blocks}: give at least 1 (a "
+      "model needs a block). Or leave --blocks out for the size's own "
+      "number."
     )
   if (args.text or args.data) and args.task not in tasks_lib.TEXT_TASKS:
     raise SystemExit(
@@ -881,17 +883,28 @@ def _progress(args, total, desc):
   return tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True)
 
 
+def _finals(aggregates, method) -> dict:
+  """lr -> ``method``'s mean final smoothed training loss, where no run
+  diverged.
+  """
+  return {
+    lr_value: by_method[method]["final_smoothed_train_loss"]["mean"]
+    for lr_value, by_method in aggregates.items()
+    if not by_method[method]["diverged_runs"]
+    and by_method[method]["final_smoothed_train_loss"] is not None
+  }
+
+
 def _sweep(aggregates, methods):
   """Per method: the best learning rate, and the lowest that diverges."""
   out = {}
   for method in methods:
-    finals, diverging = {}, []
-    for lr_value, by_method in aggregates.items():
-      agg = by_method[method]
-      if agg["diverged_runs"]:
-        diverging.append(lr_value)
-      elif agg["final_smoothed_train_loss"] is not None:
-        finals[lr_value] = agg["final_smoothed_train_loss"]["mean"]
+    finals = _finals(aggregates, method)
+    diverging = [
+      lr_value
+      for lr_value, by_method in aggregates.items()
+      if by_method[method]["diverged_runs"]
+    ]
     out[method] = {
       "best_lr": min(finals, key=finals.__getitem__) if finals else None,
       "best_final_smoothed_train_loss": min(finals.values())
@@ -911,16 +924,15 @@ def _sweep_table(sweep, aggregates, methods):
     "| lr | " + " | ".join(methods) + " |",
     "|" + " --- |" * (len(methods) + 1),
   ]
-  finals = {
-    m: [
-      (lr_value, by_method[m]["final_smoothed_train_loss"]["mean"], 0.0)
-      for lr_value, by_method in aggregates.items()
-      if not by_method[m]["diverged_runs"]
-      and by_method[m]["final_smoothed_train_loss"] is not None
-    ]
-    for m in methods
-  }
-  stalled = report.off_axis(finals)
+  stalled = report.off_axis(
+    {
+      m: [
+        (lr_value, mean, 0.0)
+        for lr_value, mean in _finals(aggregates, m).items()
+      ]
+      for m in methods
+    }
+  )
   for lr_value in sorted(aggregates):
     cells = []
     for m in methods:
