@@ -174,21 +174,26 @@ def test_sweep_table_names_runs_that_did_not_learn():
       "diverged_at": list(diverged_at),
     }
 
-  # a=1 at 4e-3 stays 2.6x above plain (a plateau, no NaN): named; at
-  # 1e-3, 1.4x: not. At 8e-3 plain diverged and a=1 alone sets the best.
+  # a=1 at 4e-3 did not learn (report.did_not_learn): named, and the rule
+  # printed under the table; a=1 at 1e-3 and the diverged plain: not.
   aggregates = {
     1e-3: {"plain": agg(1.5), "a=1": agg(2.1)},
     4e-3: {"plain": agg(1.5), "a=1": agg(3.9)},
     8e-3: {"plain": agg(None, diverged_at=[7]), "a=1": agg(3.9)},
   }
   methods = ["plain", "a=1"]
-  text = runner._sweep_table(
-    runner._sweep(aggregates, methods), aggregates, methods
-  )
+  sweep = runner._sweep(aggregates, methods)
+  text = runner._sweep_table(sweep, aggregates, methods, {("a=1", 4e-3)})
   assert "| 0.004 | 1.5 | 3.9 (did not learn) |" in text
   assert "| 0.001 | 1.5 | 2.1 |" in text
   assert "| 0.008 | diverged at step 7 | 3.9 |" in text
-  assert "did not learn: a final loss over 1.5x the lowest" in text
+  assert "did not learn: a final loss above the lowest any method" in text
+  # Nothing marked (none did not learn, or only where a seed diverged,
+  # which the table names instead): no rule under the table.
+  for stalled in (set(), {("plain", 8e-3)}):
+    assert "did not learn" not in runner._sweep_table(
+      sweep, aggregates, methods, stalled
+    )
 
 
 def test_chars_on_a_given_text(tmp_path):

@@ -725,7 +725,10 @@ def _report(args, run, info, out):
   sweep = None
   if settings["lr_sweep"]:
     sweep = _sweep(aggregates, methods)
-    text += ["", _sweep_table(sweep, aggregates, methods)]
+    text += [
+      "",
+      _sweep_table(sweep, aggregates, methods, report.did_not_learn(records)),
+    ]
   mode_sweep = None
   if settings["modes"] is not None and "a=0" in methods:
     mode_sweep, mode_text = _mode_sweep(
@@ -809,6 +812,7 @@ def _study_figures(out, records, against, unit, title) -> list[str]:
         stats.against_lr(records),
         unit,
         title,
+        report.did_not_learn(records, report.heldout),
       )
       written.append("heldout_against_lr.png")
   if any(against.values()):
@@ -915,7 +919,11 @@ def _sweep(aggregates, methods):
   return out
 
 
-def _sweep_table(sweep, aggregates, methods):
+def _sweep_table(sweep, aggregates, methods, stalled):
+  """The learning-rate sweep's table and each method's best and lowest
+  diverging rate; ``stalled``: the ``(method, lr)`` that did not learn
+  (``report.did_not_learn``).
+  """
   methods = list(methods)
   rows = [
     "Learning-rate sweep: final smoothed training loss (mean over "
@@ -924,15 +932,7 @@ def _sweep_table(sweep, aggregates, methods):
     "| lr | " + " | ".join(methods) + " |",
     "|" + " --- |" * (len(methods) + 1),
   ]
-  stalled = report.off_axis(
-    {
-      m: [
-        (lr_value, mean, 0.0)
-        for lr_value, mean in _finals(aggregates, m).items()
-      ]
-      for m in methods
-    }
-  )
+  marked = False
   for lr_value in sorted(aggregates):
     cells = []
     for m in methods:
@@ -943,15 +943,16 @@ def _sweep_table(sweep, aggregates, methods):
         )
       else:
         cell = report._cell(agg["final_smoothed_train_loss"])
-        cells.append(
-          cell + (" (did not learn)" if (m, lr_value) in stalled else "")
-        )
+        if (m, lr_value) in stalled:
+          cell, marked = cell + " (did not learn)", True
+        cells.append(cell)
     rows.append(f"| {lr_value:g} | " + " | ".join(cells) + " |")
-  if stalled:
+  if marked:
     rows += [
       "",
-      "did not learn: a final loss over 1.5x the lowest at its learning "
-      "rate (no NaN, so not counted as diverged).",
+      "did not learn: a final loss above the lowest any method had at "
+      "its learning rate a fifth of the way into the run (no NaN, so not "
+      "counted as diverged).",
     ]
   rows.append("")
   for m in methods:

@@ -336,9 +336,9 @@ def read_json(path: str) -> dict:
 def plot(
   path: str, records: list[dict], steps: int, unit: str, title: str
 ) -> None:
-  """Smoothed train loss against step and against wall seconds, on a
-  linear axis spanning the runs that did not diverge (those that did run
-  off its top).
+  """Smoothed train loss against step and against wall seconds, on the
+  axis `loss_axis` gives for the runs that did not diverge (those that did
+  run off its top).
   """
   import matplotlib
 
@@ -370,15 +370,31 @@ def plot(
     ax.set_xlabel(xlabel)
     ax.set_ylabel(f"train loss, smoothed ({unit})")
     if span and np.all(np.isfinite(span)):
-      low, high = min(span), max(span)
-      margin = 0.03 * (high - low) or 0.03 * abs(high) or 1.0
-      ax.set_ylim(low - margin, high + margin)
+      scale, limits = loss_axis(min(span), max(span))
+      ax.set_yscale(scale)
+      ax.set_ylim(*limits)
     ax.grid(True, alpha=0.3)
     ax.legend()
   fig.suptitle(title, fontsize=10)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
+
+
+def loss_axis(low: float, high: float) -> tuple[str, tuple[float, float]]:
+  """The y axis for losses from `low` to `high`: linear with a 3% margin,
+  or logarithmic where they span more than two decades (a classifier's
+  loss falling towards 0, whose end a linear axis would flatten).
+
+  >>> loss_axis(1.4, 8.0)[0], [round(v, 3) for v in loss_axis(1.4, 8.0)[1]]
+  ('linear', [1.202, 8.198])
+  >>> loss_axis(1e-6, 2.4)
+  ('log', (5e-07, 4.8))
+  """
+  if low > 0 and high / low > 100:
+    return "log", (low / 2, high * 2)
+  margin = 0.03 * (high - low) or 0.03 * abs(high) or 1.0
+  return "linear", (low - margin, high + margin)
 
 
 def _colors(methods) -> dict:
@@ -817,32 +833,59 @@ def plot_heldout(path: str, records: list[dict], unit: str, title: str) -> None:
   plt.close(fig)
 
 
-def off_axis(points: dict, factor: float = 1.5) -> set:
-  """``(method, lr)`` of the means over ``factor`` times the best mean at
-  their learning rate: runs that did not learn, drawn at the axis's top
-  with their value so that they do not squash the others.
+def train_curve(record: dict) -> tuple[np.ndarray, np.ndarray]:
+  """Steps and smoothed training loss of one run (results.json ``runs``)."""
+  losses = record["losses"]
+  return np.arange(1, len(losses) + 1), smoothed(losses, window_of(len(losses)))
+
+
+def did_not_learn(records: list[dict], curve=train_curve) -> set:
+  """``(method, lr)`` whose final loss (mean over seeds) is above the
+  lowest loss any method had at that rate a fifth of the way into the run
+  (mean over seeds): runs that stayed where the others had left early,
+  not runs that learned less. ``curve(record)`` gives a run's steps and
+  losses (:func:`train_curve`, :func:`heldout`); runs that diverged are
+  left out.
+
+  >>> def run(method, lr, losses):
+  ...   return dict(method=method, lr=lr, losses=losses,
+  ...               summary=dict(diverged_at=None))
+  >>> stalled = run("a=1", 4e-3, [8.0] * 10 + [3.9] * 90)  # a plateau
+  >>> trains = run("plain", 4e-3, [8.0] * 10 + [3.0] * 10 + [1.5] * 80)
+  >>> near_0 = [run("plain", 1e-2, [2.3] * 10 + [0.1] * 10 + [1e-4] * 80),
+  ...           run("a=1", 1e-2, [2.3] * 10 + [0.1] * 10 + [1.6e-4] * 80)]
+  >>> did_not_learn([stalled, trains] + near_0)
+  {('a=1', 0.004)}
   """
-  best: dict = {}
-  for rows in points.values():
-    for lr, mean, _ in rows:
-      best[lr] = min(best.get(lr, mean), mean)
+  early: dict = {}
+  final: dict = {}
+  for record in records:
+    steps, values = curve(record)
+    if record["summary"]["diverged_at"] is not None or not len(values):
+      continue
+    fifth = int(np.searchsorted(steps, steps[-1] / 5))
+    key = (record["method"], record["lr"])
+    early.setdefault(key, []).append(values[fifth])
+    final.setdefault(key, []).append(values[-1])
+  lowest: dict = {}
+  for (_, lr), values in early.items():
+    lowest[lr] = min(lowest.get(lr, np.inf), float(np.mean(values)))
   return {
-    (method, lr)
-    for method, rows in points.items()
-    for lr, mean, _ in rows
-    if mean > factor * best[lr]
+    key for key, values in final.items() if np.mean(values) > lowest[key[1]]
   }
 
 
-def plot_against_lr(path: str, points: dict, unit: str, title: str) -> None:
+def plot_against_lr(
+  path: str, points: dict, unit: str, title: str, off: set
+) -> None:
   """Final held-out loss against learning rate, a line per method;
   ``points``: method -> (lr, mean, half width) (``stats.against_lr``).
-  A mean far above the best at its rate (:func:`off_axis`) is drawn at
-  the top edge as a triangle labelled with its value.
+  The ``(method, lr)`` in ``off``, runs that did not learn
+  (:func:`did_not_learn`), are drawn at the top edge as triangles
+  labelled with their value, so that they do not squash the others.
   """
   plt = _pyplot()
   colors = _colors(points)
-  off = off_axis(points)
   ends = [  # The tops of the bars drawn where they are.
     mean + half
     for method, rows in points.items()
