@@ -710,6 +710,31 @@ def test_lm_blocks_varies_depth_alone():
     runner.main(["--task", "lm", "--blocks", "0"])
 
 
+def test_lm_width_varies_width_alone():
+  wide = tasks.lm(str(TEXT), "tiny", width=128)
+  count = sum(x.size for x in jax.tree.leaves(wide.init(0)))
+  # tiny's two blocks at d_model 128, by hand. A block: two LayerNorms
+  # 2 x (128 + 128), q/k/v 128 x 384 + 384, attention out 128 x 128 + 128,
+  # MLP up 128 x 512 + 512, down 512 x 128 + 128: 198,272. Around them:
+  # embedding 256 x 128, positions 64 x 128, final LayerNorm 2 x 128,
+  # output 128 x 256 + 256.
+  assert count == 2 * 198_272 + 32_768 + 8_192 + 256 + 33_024
+  assert "(2 pre-LN blocks, d_model 128, 4 heads," in wide.description
+  args = runner.parse(["--task", "lm", "--width", "128"])
+  settings = dict(
+    optimizer="adamw", lr=3e-3, steps=6, batch_size=8, devices=1, seeds=[0]
+  )
+  assert "--size tiny --width 128 " in runner._command(args, settings)
+  with pytest.raises(ValueError, match="width=130: give a positive multiple"):
+    tasks.lm(str(TEXT), "tiny", width=130)
+  with pytest.raises(SystemExit, match="--width"):
+    runner.main(["--task", "digits", "--width", "128"])
+  with pytest.raises(
+    SystemExit, match="--width 130: give a positive multiple of 4"
+  ):
+    runner.main(["--task", "lm", "--width", "130"])
+
+
 def test_lm_adamw_schedule_and_decay_mask_step_as_plain_optax():
   task = tasks.lm(str(TEXT), "tiny", compute_dtype=None)
   init = task.init(0)

@@ -58,6 +58,13 @@ def parse(argv):
     "the size (depth alone varied)",
   )
   p.add_argument(
+    "--width",
+    type=int,
+    default=None,
+    help="lm task: this d_model instead of the size's, a multiple of its "
+    "heads, all else as the size (width alone varied)",
+  )
+  p.add_argument(
     "--remat",
     action="store_true",
     help="lm task: recompute each block's activations in the "
@@ -251,16 +258,26 @@ def _train(args):
   except RuntimeError:  # The backend started before us: as it is.
     pass
   devices = training_devices(args.devices)
-  if (args.size or args.remat or args.blocks) and args.task != "lm":
+  if (args.size or args.remat or args.blocks or args.width) and (
+    args.task != "lm"
+  ):
     raise SystemExit(
-      "immgrad.experiments: --size, --blocks and --remat are for --task lm "
-      "only."
+      "immgrad.experiments: --size, --blocks, --width and --remat are for "
+      "--task lm only."
     )
   if args.blocks is not None and args.blocks < 1:
     raise SystemExit(
       f"immgrad.experiments: --blocks {args.blocks}: give at least 1 (a "
       "model needs a block). Or leave --blocks out for the size's own "
       "number."
+    )
+  heads = tasks_lib.LM_SIZES[args.size or "tiny"][2] if args.width else 1
+  if args.width is not None and (args.width < 1 or args.width % heads):
+    raise SystemExit(
+      f"immgrad.experiments: --width {args.width}: give a positive "
+      f"multiple of {heads}, the number of heads of --size "
+      f"{args.size or 'tiny'}. Or leave --width out for the size's own "
+      "d_model."
     )
   if (args.text or args.data) and args.task not in tasks_lib.TEXT_TASKS:
     raise SystemExit(
@@ -276,6 +293,7 @@ def _train(args):
       remat=args.remat,
       data=args.data,
       blocks=args.blocks,
+      width=args.width,
     )
   elif args.task in tasks_lib.TEXT_TASKS:
     task = tasks_lib.TASKS[args.task](args.text, data=args.data)
@@ -409,6 +427,8 @@ def _command(args, settings: dict) -> str:
     words.append(f"--size {args.size or 'tiny'}")
   if args.blocks:
     words.append(f"--blocks {args.blocks}")
+  if args.width:
+    words.append(f"--width {args.width}")
   if args.remat:
     words.append("--remat")
   if args.text:

@@ -539,6 +539,7 @@ def lm(
   remat: bool = False,
   data: str | None = None,
   blocks: int | None = None,
+  width: int | None = None,
 ) -> Task:
   """A GPT-style byte-level LM (``LM_SIZES``); last 10% of the text held out.
 
@@ -550,7 +551,8 @@ def lm(
   ``data``: a corpus folder instead (:func:`read_corpus`), each byte once.
   ``remat``: every block under ``hk.remat`` (less memory, ~23% more FLOPs).
   ``blocks``: that many blocks instead of the size's, all else as the size
-  (to vary depth alone).
+  (to vary depth alone); ``width``: that d_model, with the size's number of
+  heads (to vary width alone).
   """
   if size not in LM_SIZES:
     raise ValueError(
@@ -558,8 +560,13 @@ def lm(
     )
   if blocks is not None and blocks < 1:
     raise ValueError(f"lm blocks={blocks}: give at least 1 block.")
-  own, d_model, heads, seq = LM_SIZES[size]
-  blocks = blocks or own
+  own, own_width, heads, seq = LM_SIZES[size]
+  if width is not None and (width < 1 or width % heads):
+    raise ValueError(
+      f"lm width={width}: give a positive multiple of the {heads} heads "
+      f"of '{size}'."
+    )
+  blocks, d_model = blocks or own, width or own_width
   if compute_dtype == "auto":
     compute_dtype = (
       jnp.bfloat16
