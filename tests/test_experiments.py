@@ -689,6 +689,14 @@ def _lm_steps(task, opt, n, immediate):
   return out
 
 
+def _repeat_command(*flags):
+  """The repeat command the runner prints for ``--task lm`` and ``flags``."""
+  settings = dict(
+    optimizer="adamw", lr=3e-3, steps=6, batch_size=8, devices=1, seeds=[0]
+  )
+  return runner._command(runner.parse(["--task", "lm", *flags]), settings)
+
+
 def test_lm_blocks_varies_depth_alone():
   two = tasks.lm(str(TEXT), "tiny", blocks=2)
   three = tasks.lm(str(TEXT), "tiny", blocks=3)
@@ -699,11 +707,7 @@ def test_lm_blocks_varies_depth_alone():
   assert count(three) - count(two) == 49_984
   assert count(two) == 137_216  # tiny's own two blocks (lm.md's table).
   assert "(3 pre-LN blocks, d_model 64," in three.description
-  args = runner.parse(["--task", "lm", "--blocks", "3"])
-  settings = dict(
-    optimizer="adamw", lr=3e-3, steps=6, batch_size=8, devices=1, seeds=[0]
-  )
-  assert "--size tiny --blocks 3 " in runner._command(args, settings)
+  assert "--size tiny --blocks 3 " in _repeat_command("--blocks", "3")
   with pytest.raises(SystemExit, match="--blocks"):
     runner.main(["--task", "digits", "--blocks", "3"])
   with pytest.raises(SystemExit, match="--blocks 0: give at least 1"):
@@ -720,11 +724,7 @@ def test_lm_width_varies_width_alone():
   # output 128 x 256 + 256.
   assert count == 2 * 198_272 + 32_768 + 8_192 + 256 + 33_024
   assert "(2 pre-LN blocks, d_model 128, 4 heads," in wide.description
-  args = runner.parse(["--task", "lm", "--width", "128"])
-  settings = dict(
-    optimizer="adamw", lr=3e-3, steps=6, batch_size=8, devices=1, seeds=[0]
-  )
-  assert "--size tiny --width 128 " in runner._command(args, settings)
+  assert "--size tiny --width 128 " in _repeat_command("--width", "128")
   with pytest.raises(ValueError, match="width=130: give a positive multiple"):
     tasks.lm(str(TEXT), "tiny", width=130)
   with pytest.raises(SystemExit, match="--width"):
