@@ -834,7 +834,13 @@ def plot_heldout(path: str, records: list[dict], unit: str, title: str) -> None:
 
 
 def train_curve(record: dict) -> tuple[np.ndarray, np.ndarray]:
-  """Steps and smoothed training loss of one run (results.json ``runs``)."""
+  """Steps and smoothed training loss of one run (results.json ``runs``),
+  averaged over a trailing tenth of its steps (:func:`smoothed`).
+
+  >>> steps, curve = train_curve(dict(losses=[4.0] * 10 + [2.0] * 10))
+  >>> int(steps[10]), float(curve[10]), float(curve[-1])  # window: 2 steps
+  (11, 3.0, 2.0)
+  """
   losses = record["losses"]
   return np.arange(1, len(losses) + 1), smoothed(losses, window_of(len(losses)))
 
