@@ -148,11 +148,13 @@ def test_a_diverged_run_is_named_with_its_seeds():
   assert "a=1 diverged on seeds [1] |" in stats.table({"a=1": row}, "lr 0.1")
 
 
-def _results_json(path, lr, methods=("plain", "a=1")):
-  """A results.json as the runner writes one, with ``_runs``' runs at lr."""
+def _results_json(
+  path, lr, methods=("plain", "a=1"), seeds=tuple(SHIFT), runs_of=_runs
+):
+  """A results.json as the runner writes one, with ``runs_of``' runs at lr."""
   records = []
-  for seed in SHIFT:
-    for method, r in _runs(seed).items():
+  for seed in seeds:
+    for method, r in runs_of(seed).items():
       if method in methods:
         records.append(
           dict(
@@ -172,7 +174,7 @@ def _results_json(path, lr, methods=("plain", "a=1")):
     steps=STEPS,
     batch_size=4,
     devices=1,
-    seeds=list(SHIFT),
+    seeds=list(seeds),
     lrs=[lr],
     eval_every=10,
     target=None,
@@ -195,6 +197,14 @@ def _results_json(path, lr, methods=("plain", "a=1")):
   return str(path)
 
 
+def _merge(files, out, *flags) -> str:
+  """What ``--merge files --out out flags`` prints."""
+  stdout = io.StringIO()
+  with contextlib.redirect_stdout(stdout):
+    runner.main(["--merge", *files, "--out", str(out), *flags])
+  return stdout.getvalue()
+
+
 def test_merge_prints_and_writes_the_paired_table_and_figures(tmp_path):
   pytest.importorskip("matplotlib")
   files = [
@@ -202,10 +212,7 @@ def test_merge_prints_and_writes_the_paired_table_and_figures(tmp_path):
     _results_json(tmp_path / "b.json.gz", 0.2),  # Read compressed too.
   ]
   out = tmp_path / "merged"
-  stdout = io.StringIO()
-  with contextlib.redirect_stdout(stdout):
-    runner.main(["--merge", *files, "--lr", "0.1", "--out", str(out)])
-  printed = stdout.getvalue()
+  printed = _merge(files, out, "--lr", "0.1")
   # The hand numbers above, as the table prints them (4 digits).
   assert (
     "| a=1 | 3 | +2.333 [-1.461, +6.128] | +0.2 [-0.04841, +0.4484] | "
@@ -294,23 +301,26 @@ def test_did_not_learn_is_a_run_that_ends_where_others_were_early():
   assert ("a=1", 0.3) not in report.did_not_learn(chars)
 
 
-def test_each_method_at_its_own_best_lr_pairs_across_rates():
-  # At lr 0.2 plain ends 0.1 higher in held-out loss (2.1) and a=1 0.25
-  # lower (1.85, 1.95, 2.05: mean 1.95, below its 2.2 at 0.1): plain's
-  # best lr is 0.1, a=1's 0.2. Paired by seed: 1.85, 1.95, 2.05 minus
-  # plain's 2.0 at 0.1: -0.15, -0.05, +0.05, mean -0.05, sd 0.1, interval
-  # -0.05 +- 0.248414 (as above).
-  def at_02(seed):
-    runs = _runs(seed)
-    runs["plain"].evals = runs["plain"].evals[:2] + [
-      {"step": 20, "heldout_loss": 2.1}
-    ]
-    runs["a=1"].evals = runs["a=1"].evals[:2] + [
-      {"step": 20, "heldout_loss": 1.75 + HELDOUT[seed]}
-    ]
-    return runs
+def _at_02(seed):
+  """``_runs`` with the held-out losses of lr 0.2: plain ends 0.1 higher
+  (2.1) and a=1 0.25 lower (1.85, 1.95, 2.05: mean 1.95, below its 2.2 at
+  0.1): plain's best lr is 0.1, a=1's 0.2.
+  """
+  runs = _runs(seed)
+  runs["plain"].evals = runs["plain"].evals[:2] + [
+    {"step": 20, "heldout_loss": 2.1}
+  ]
+  runs["a=1"].evals = runs["a=1"].evals[:2] + [
+    {"step": 20, "heldout_loss": 1.75 + HELDOUT[seed]}
+  ]
+  return runs
 
-  by_lr = {0.1: _by_seed(), 0.2: _by_seed(at_02)}
+
+def test_each_method_at_its_own_best_lr_pairs_across_rates():
+  # _at_02: a=1 at 0.2 against plain at 0.1, paired by seed: 1.85, 1.95,
+  # 2.05 minus 2.0: -0.15, -0.05, +0.05, mean -0.05, sd 0.1, interval
+  # -0.05 +- 0.248414 (as above).
+  by_lr = {0.1: _by_seed(), 0.2: _by_seed(_at_02)}
   best, per_seed = stats.tuned(by_lr)
   assert best == {"plain": 0.1, "a=1": 0.2}
   assert list(per_seed) == [0, 1, 2]
@@ -318,3 +328,78 @@ def test_each_method_at_its_own_best_lr_pairs_across_rates():
   assert held["differences"] == pytest.approx([-0.15, -0.05, 0.05])
   assert held["low"] == pytest.approx(-0.05 - 0.248414, abs=1e-6)
   assert held["high"] == pytest.approx(-0.05 + 0.248414, abs=1e-6)
+
+
+def test_a_merge_of_runs_made_apart_pairs_the_seeds_both_ran(tmp_path):
+  """Each method on its own grid, as a study tunes it on the chip: plain
+  and a=1 at 0.1 (three seeds), a=1 at 0.2 (three seeds, its best) and
+  plain at 0.2 on seed 0 only, a=1 alone at 0.05 (seed 0).
+  """
+  pytest.importorskip("matplotlib")
+  files = [
+    _results_json(tmp_path / "both.json", 0.1),
+    _results_json(tmp_path / "a1.json", 0.2, ("a=1",), runs_of=_at_02),
+    _results_json(tmp_path / "p.json", 0.2, ("plain",), (0,), _at_02),
+    _results_json(tmp_path / "low.json", 0.05, ("a=1",), (0,)),
+  ]
+  out = tmp_path / "merged"
+  printed = _merge(files, out, "--lr", "0.1")
+  assert (
+    "runs, not every method at every lr and seed (comparisons pair seeds):\n"
+    "  lr 0.05: a=1 seed 0\n"
+    "  lr 0.1: plain seeds 0, 1, 2; a=1 seeds 0, 1, 2\n"
+    "  lr 0.2: plain seed 0; a=1 seeds 0, 1, 2\n" in printed
+  )
+  merged = report.read_json(str(out / "results.json"))
+  # At 0.2 a=1 pairs with plain on seed 0 alone: 1.85 - 2.1 = -0.25, no
+  # interval. At 0.05 nothing pairs: no comparison.
+  at_02 = merged["against_plain"]["0.2"]["a=1"]
+  assert at_02["seeds"] == [0]
+  held = at_02["final_heldout_loss"]
+  assert held["n"] == 1 and held["low"] is None
+  assert held["mean"] == pytest.approx(-0.25)
+  assert merged["against_plain"]["0.05"] == {}
+  assert "Against plain, lr 0.05" not in printed
+  # Each at its best: a=1's mean over its three seeds at 0.2 (1.95) is
+  # below 0.1's (2.2) and 0.05's (2.1, one seed); plain's one seed at 0.2
+  # (2.1) above its 2.0 at 0.1. Paired on all three seeds, as in
+  # test_each_method_at_its_own_best_lr_pairs_across_rates.
+  tuned = merged["against_plain_tuned"]
+  assert tuned["best_lr"] == {"plain": 0.1, "a=1": 0.2}
+  held = tuned["comparison"]["a=1"]["final_heldout_loss"]
+  assert held["differences"] == pytest.approx([-0.15, -0.05, 0.05])
+  assert "| 0.05 | not run |" in printed
+  assert (out / "heldout_curves_tuned.png").stat().st_size > 10_000
+
+
+def test_the_mode_sweep_is_not_run_on_runs_made_apart(tmp_path):
+  """The mode sweep pairs each method's seeds with a=0's by position: on
+  runs where a method lacks a seed it would pair the wrong seeds, so it
+  says why it did not run.
+  """
+  pytest.importorskip("matplotlib")
+
+  def with_a0(seed):
+    runs = _runs(seed)
+    return {
+      **runs,
+      "a=0": train.Run(
+        "a=0",
+        **{
+          k: getattr(runs["plain"], k) for k in ("losses", "seconds", "evals")
+        },
+      ),
+    }
+
+  files = [
+    _results_json(tmp_path / "a.json", 0.1, ("plain", "a=0"), runs_of=with_a0),
+    _results_json(tmp_path / "b.json", 0.1, ("a=1",), (0, 1)),
+  ]
+  printed = _merge(files, tmp_path / "m")
+  assert "Mode sweep: not run (it pairs every method with a=0" in printed
+  assert (
+    report.read_json(str(tmp_path / "m/results.json"))["mode_sweep"] is None
+  )
+  # The same runs with a=1 on every seed: the sweep runs.
+  files[1] = _results_json(tmp_path / "c.json", 0.1, ("a=1",))
+  assert "Mode sweep, " in _merge(files, tmp_path / "n")

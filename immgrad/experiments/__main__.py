@@ -148,9 +148,9 @@ def parse(argv):
     default=None,
     metavar="RESULTS_JSON",
     help="train nothing: report the runs of these results.json "
-    "files (same task and settings, each lr and seed with "
-    "every method) as one run, into --out; --lr picks the "
-    "main table's learning rate",
+    "files (same task and settings; a method may lack an lr or "
+    "seed, and comparisons pair the seeds both ran) as one run, "
+    "into --out; --lr picks the main table's learning rate",
   )
   p.add_argument(
     "--measure-dx",
@@ -567,15 +567,8 @@ def _load(args):
         dx_change=r.get("dx_change"),
       )
   methods = sorted(methods, key=lambda m: (m != "plain", m))
-  for (lr, seed), runs in sorted(run.items()):
-    missing = [m for m in methods if m not in runs]
-    if missing:
-      raise SystemExit(
-        f"immgrad.experiments --merge: lr {lr:g}, seed "
-        f"{seed} lacks {missing}: every lr and seed needs "
-        "every method."
-      )
-    run[lr, seed] = {m: runs[m] for m in methods}
+  for key, runs in sorted(run.items()):
+    run[key] = {m: runs[m] for m in methods if m in runs}
   current_for = _agreed("--current-for", _current_for, args.merge, loaded)
   step_kind = _agreed("--step", _step_kind, args.merge, loaded)
   settings = dict(first["settings"])
@@ -628,6 +621,38 @@ def _data_line(data: dict | None) -> list[str]:
   ]
 
 
+def _coverage_lines(run: dict, methods: list) -> list[str]:
+  """Which seeds each method ran at each lr, where not every method ran at
+  every lr and seed (a merge of runs made apart); else nothing.
+
+  >>> run = {(0.1, 0): {"plain": 0, "a=1": 0}, (0.1, 1): {"plain": 0},
+  ...        (0.2, 0): {"a=1": 0}}
+  >>> for line in _coverage_lines(run, ["plain", "a=1"]):
+  ...   print(line)
+  runs, not every method at every lr and seed (comparisons pair seeds):
+    lr 0.1: plain seeds 0, 1; a=1 seed 0
+    lr 0.2: a=1 seed 0
+  """
+  seeds = sorted({seed for _, seed in run})
+  lrs = sorted({lr for lr, _ in run})
+  if all(
+    len(run.get((lr, s), {})) == len(methods) for lr in lrs for s in seeds
+  ):
+    return []
+  lines = [
+    "runs, not every method at every lr and seed (comparisons pair seeds):"
+  ]
+  for lr in lrs:
+    cells = []
+    for m in methods:
+      ran = [str(s) for s in seeds if m in run.get((lr, s), {})]
+      if ran:
+        word = "seed" if len(ran) == 1 else "seeds"
+        cells.append(f"{m} {word} {', '.join(ran)}")
+    lines.append(f"  lr {lr:g}: " + "; ".join(cells))
+  return lines
+
+
 def _data_key(payload: dict):
   """The training and held-out sha256 a run read (None: not recorded)."""
   data = payload["settings"].get("data")
@@ -641,7 +666,7 @@ def _report(args, run, info, out):
   settings, unit, name = info["settings"], info["loss_unit"], info["name"]
   lr, steps, methods = settings["lr"], settings["steps"], settings["methods"]
   records, sanity, aggregates, summaries, lags = [], [], {}, {}, {}
-  by_seed = {}  # lr -> seed -> method -> (Run, summary), where plain ran.
+  by_seed = {}  # lr -> seed -> method -> (Run, summary).
   for (run_lr, seed), runs in sorted(run.items()):
     per_method = summaries.setdefault(run_lr, {m: [] for m in methods})
     target = args.target or report.default_target(runs, steps)
@@ -649,11 +674,10 @@ def _report(args, run, info, out):
       summary = report.summarise(r, runs.get("plain"), steps, target)
       summary["target"] = target
       per_method[method].append(summary)
-      if "plain" in runs:
-        by_seed.setdefault(run_lr, {}).setdefault(seed, {})[method] = (
-          r,
-          summary,
-        )
+      by_seed.setdefault(run_lr, {}).setdefault(seed, {})[method] = (
+        r,
+        summary,
+      )
       if "plain" in runs and method != "plain":
         lags.setdefault(run_lr, {}).setdefault(method, []).append(
           report.steps_behind(r.losses, runs["plain"].losses, steps)
@@ -674,11 +698,12 @@ def _report(args, run, info, out):
     if "plain" in runs and report.reference_method(runs) in runs:
       sanity.append(dict(lr=run_lr, seed=seed, **report.sanity(runs)))
   for run_lr, per_method in summaries.items():
+    summaries[run_lr] = {m: ss for m, ss in per_method.items() if ss}
     aggregates[run_lr] = {
       m: report.aggregate(
         [{k: v for k, v in s.items() if k != "dx"} for s in ss]
       )
-      for m, ss in per_method.items()
+      for m, ss in summaries[run_lr].items()
     }
 
   main_records = [r for r in records if r["lr"] == lr]
@@ -688,6 +713,7 @@ def _report(args, run, info, out):
     f"{settings['batch_size']} over {settings['devices']} devices, "
     f"seeds {settings['seeds']}",
     *_data_line(settings.get("data")),
+    *_coverage_lines(run, methods),
     *(
       [
         f"every immgrad method in mode current for its first "
@@ -725,7 +751,8 @@ def _report(args, run, info, out):
     for lr_value, per_seed in sorted(by_seed.items())
   }
   for lr_value, comparison in against.items():
-    text += ["", stats.table(comparison, f"lr {lr_value:g}")]
+    if comparison:
+      text += ["", stats.table(comparison, f"lr {lr_value:g}")]
   tuned = None
   if len(by_seed) > 1:
     best, per_seed = stats.tuned(by_seed)
@@ -740,7 +767,7 @@ def _report(args, run, info, out):
         + "; best: lowest final held-out loss, mean over seeds)"
       )
       text += ["", stats.table(tuned["comparison"], where)]
-  if against:
+  if any(against.values()):
     text += ["", stats.legend(unit, args.target)]
   sweep = None
   if settings["lr_sweep"]:
@@ -751,10 +778,17 @@ def _report(args, run, info, out):
     ]
   mode_sweep = None
   if settings["modes"] is not None and "a=0" in methods:
-    mode_sweep, mode_text = _mode_sweep(
-      summaries, lr, sweep, methods, name, settings["optimizer"], unit
-    )
-    text += ["", mode_text]
+    if _coverage_lines(run, methods):
+      text += [
+        "",
+        "Mode sweep: not run (it pairs every method with a=0 seed by seed, "
+        "and not every method ran at every lr and seed).",
+      ]
+    else:
+      mode_sweep, mode_text = _mode_sweep(
+        summaries, lr, sweep, methods, name, settings["optimizer"], unit
+      )
+      text += ["", mode_text]
   dx_rows = None
   if settings["measure_dx"]:
     dx_rows = _dx_rows(summaries, methods)
@@ -802,6 +836,7 @@ def _report(args, run, info, out):
     out,
     records,
     against,
+    tuned and tuned["best_lr"],
     unit,
     f"{name}: {settings['optimizer']}, seeds {settings['seeds']}",
   )
@@ -816,16 +851,34 @@ def _report(args, run, info, out):
   return 0 if passed else 1
 
 
-def _study_figures(out, records, against, unit, title) -> list[str]:
-  """Held-out curves, held-out loss against lr (several lrs) and steps to
+def _study_figures(out, records, against, best, unit, title) -> list[str]:
+  """Held-out curves (per lr, and each method at its ``best`` lr where
+  those differ), held-out loss against lr (several lrs) and steps to
   target (where plain ran): the files written.
   """
   written = []
   if any(report.heldout(r)[1] for r in records):
+    lrs = sorted({r["lr"] for r in records})
     report.plot_heldout(
-      os.path.join(out, "heldout_curves.png"), records, unit, title
+      os.path.join(out, "heldout_curves.png"),
+      {f"lr {lr:g}": [r for r in records if r["lr"] == lr] for lr in lrs},
+      unit,
+      title,
     )
     written.append("heldout_curves.png")
+    if best and len(set(best.values())) > 1:
+      where = ", ".join(f"{m} {lr:g}" for m, lr in best.items())
+      report.plot_heldout(
+        os.path.join(out, "heldout_curves_tuned.png"),
+        {
+          f"each at its best lr: {where}": [
+            r for r in records if best.get(r["method"]) == r["lr"]
+          ]
+        },
+        unit,
+        title,
+      )
+      written.append("heldout_curves_tuned.png")
     if len({r["lr"] for r in records}) > 1:
       report.plot_against_lr(
         os.path.join(out, "heldout_against_lr.png"),
@@ -883,7 +936,7 @@ def _dx_rows(summaries, methods):
   rows = []
   for lr_value in sorted(summaries):
     for m in methods:
-      ss = summaries[lr_value][m]
+      ss = summaries[lr_value].get(m, [])
       if not any("dx" in s for s in ss):
         continue
       rows.append(
@@ -914,7 +967,8 @@ def _finals(aggregates, method) -> dict:
   return {
     lr_value: by_method[method]["final_smoothed_train_loss"]["mean"]
     for lr_value, by_method in aggregates.items()
-    if not by_method[method]["diverged_runs"]
+    if method in by_method
+    and not by_method[method]["diverged_runs"]
     and by_method[method]["final_smoothed_train_loss"] is not None
   }
 
@@ -927,7 +981,7 @@ def _sweep(aggregates, methods):
     diverging = [
       lr_value
       for lr_value, by_method in aggregates.items()
-      if by_method[method]["diverged_runs"]
+      if method in by_method and by_method[method]["diverged_runs"]
     ]
     out[method] = {
       "best_lr": min(finals, key=finals.__getitem__) if finals else None,
@@ -956,8 +1010,10 @@ def _sweep_table(sweep, aggregates, methods, stalled):
   for lr_value in sorted(aggregates):
     cells = []
     for m in methods:
-      agg = aggregates[lr_value][m]
-      if agg["diverged_runs"]:
+      agg = aggregates[lr_value].get(m)
+      if agg is None:
+        cells.append("not run")
+      elif agg["diverged_runs"]:
         cells.append(
           "diverged at step " + ", ".join(str(s) for s in agg["diverged_at"])
         )

@@ -737,29 +737,28 @@ def heldout(record: dict) -> tuple[list, list]:
 
 
 def heldout_gaps(records: list[dict]) -> dict:
-  """Each method's held-out loss minus plain's, paired by seed: lr ->
-  method -> step -> the differences over the seeds where both were
+  """Each method's held-out loss minus plain's, paired by seed (the
+  records of one column of :func:`plot_heldout`: one run a method and
+  seed): method -> step -> the differences over the seeds where both were
   evaluated at that step (a run that diverged stops being evaluated).
 
   >>> runs = [
-  ...   dict(lr=0.1, seed=s, method=m, evals=[{"step": 10, "heldout_loss": v}])
+  ...   dict(seed=s, method=m, evals=[{"step": 10, "heldout_loss": v}])
   ...   for s, m, v in [(0, "plain", 2.0), (0, "a=1", 2.5), (1, "plain", 3.0),
-  ...                   (1, "a=1", 2.75)]
+  ...                   (1, "a=1", 2.75), (2, "a=1", 2.0)]
   ... ]
-  >>> heldout_gaps(runs)
-  {0.1: {'a=1': {10: [0.5, -0.25]}}}
+  >>> heldout_gaps(runs)  # Seed 2 has no plain to pair with.
+  {'a=1': {10: [0.5, -0.25]}}
   """
   plain = {
-    (r["lr"], r["seed"]): dict(zip(*heldout(r)))
-    for r in records
-    if r["method"] == "plain"
+    r["seed"]: dict(zip(*heldout(r))) for r in records if r["method"] == "plain"
   }
   out = {}
   for r in records:
-    reference = plain.get((r["lr"], r["seed"]))
+    reference = plain.get(r["seed"])
     if r["method"] == "plain" or reference is None:
       continue
-    by_step = out.setdefault(r["lr"], {}).setdefault(r["method"], {})
+    by_step = out.setdefault(r["method"], {})
     for step, loss in zip(*heldout(r)):
       if step in reference:
         by_step.setdefault(step, []).append(loss - reference[step])
@@ -782,40 +781,44 @@ def _mean_and_band(ax, by_step: dict, label: str, color) -> None:
   )
 
 
-def plot_heldout(path: str, records: list[dict], unit: str, title: str) -> None:
-  """Held-out loss against step, a column per lr: per method the mean over
-  seeds (line) and the lowest to highest seed (band); where plain ran, a
-  second row draws each method's loss minus plain's, paired by seed
-  (:func:`heldout_gaps`), alike. Linear axes.
+def plot_heldout(
+  path: str, columns: dict[str, list[dict]], unit: str, title: str
+) -> None:
+  """Held-out loss against step, a column per entry of ``columns`` (its
+  title -> its runs, one a method and seed: those at one lr, or each
+  method at its own best lr): per method the mean over seeds (line) and
+  the lowest to highest seed (band); where plain ran, a second row draws
+  each method's loss minus plain's, paired by seed (:func:`heldout_gaps`),
+  alike. Linear axes.
   """
   plt = _pyplot()
-  lrs = sorted({r["lr"] for r in records})
-  colors = _colors([r["method"] for r in records])
-  gaps = heldout_gaps(records)
+  every = [r for records in columns.values() for r in records]
+  colors = _colors([r["method"] for r in every])
+  gaps = {name: heldout_gaps(records) for name, records in columns.items()}
   rows = 2 if any(gaps.values()) else 1
   fig, axes = plt.subplots(
     rows,
-    len(lrs),
+    len(columns),
     squeeze=False,
     sharex="col",
-    figsize=(max(6.5, 4.6 * len(lrs) + 1), 4.3 + 3.2 * (rows - 1)),
+    figsize=(max(6.5, 4.6 * len(columns) + 1), 4.3 + 3.2 * (rows - 1)),
   )
   for ax in axes[0][1:]:
     ax.sharey(axes[0][0])  # The losses on one scale; each gap on its own.
-  for column, lr in enumerate(lrs):
+  for column, (name, records) in enumerate(columns.items()):
     ax = axes[0][column]
     for method in colors:
       by_step = {}
       for r in records:
-        if r["lr"] == lr and r["method"] == method:
+        if r["method"] == method:
           for step, loss in zip(*heldout(r)):
             by_step.setdefault(step, []).append(loss)
       if by_step:
         _mean_and_band(ax, by_step, method, colors[method])
-    ax.set_title(f"lr {lr:g}", fontsize=9)
+    ax.set_title(name, fontsize=9)
     if rows == 2:
       below = axes[1][column]
-      for method, by_step in gaps.get(lr, {}).items():
+      for method, by_step in gaps[name].items():
         _mean_and_band(below, by_step, method, colors[method])
       below.axhline(0, color=colors.get("plain", "gray"), lw=0.8)
     for a in axes[:, column]:

@@ -123,15 +123,20 @@ def steps_to_target(method, plain, steps: int, target: float | None) -> dict:
 def against_plain(runs: dict, steps: int, target: float | None) -> dict:
   """Every method against plain at one learning rate.
 
-  ``runs``: seed -> {method: (``Run``, its summary)}. Returns method ->
-  {figure: :func:`paired`}, or for a method with a seed where it or plain
-  diverged, ``diverged``: {method or plain: seeds}; steps to target also
-  names the seeds where one of the two ``never`` reaches the target.
+  ``runs``: seed -> {method: (``Run``, its summary)}; a method is paired
+  with plain on the seeds where both ran (``seeds`` in its row). Returns
+  method -> {figure: :func:`paired`}, or for a method with a seed where it
+  or plain diverged, ``diverged``: {method or plain: seeds}; steps to
+  target also names the seeds where one of the two ``never`` reaches the
+  target. Empty where plain did not run.
   """
-  seeds = sorted(runs)
-  methods = [m for m in runs[seeds[0]] if m != "plain"]
+  with_plain = [s for s in sorted(runs) if "plain" in runs[s]]
+  methods = dict.fromkeys(
+    m for s in with_plain for m in runs[s] if m != "plain"
+  )
   out = {}
   for m in methods:
+    seeds = [s for s in with_plain if m in runs[s]]
     diverged = {
       k: [s for s in seeds if runs[s][k][0].diverged_at is not None]
       for k in (m, "plain")
@@ -205,18 +210,17 @@ def table(comparison: dict, where: str) -> str:
 
 def best_lrs(by_lr: dict) -> dict:
   """Each method's best learning rate: its lowest final held-out loss,
-  mean over seeds (the final smoothed training loss where there is no
-  held-out); rates where it diverged on a seed are out.
+  mean over the seeds it ran at that rate (the final smoothed training
+  loss where there is no held-out); rates where it diverged on a seed are
+  out.
 
   ``by_lr``: lr -> seed -> method -> (``Run``, summary), as for
   :func:`against_plain`. Returns method -> lr, for methods with one.
   """
   means = {}
   for lr, per_seed in by_lr.items():
-    for m in next(iter(per_seed.values())):
-      if any(m not in runs for runs in per_seed.values()):
-        continue
-      pairs = [runs[m] for runs in per_seed.values()]
+    for m in dict.fromkeys(m for runs in per_seed.values() for m in runs):
+      pairs = [runs[m] for runs in per_seed.values() if m in runs]
       if any(r.diverged_at is not None for r, _ in pairs):
         continue
       key = "final_heldout_loss"
@@ -228,12 +232,18 @@ def best_lrs(by_lr: dict) -> dict:
 
 def tuned(by_lr: dict) -> tuple[dict, dict]:
   """Each method at its :func:`best_lrs` rate: (method -> lr, seed ->
-  method -> (``Run``, summary)) over the seeds every chosen rate has.
+  method -> (``Run``, summary)) over the seeds on which every method ran
+  at its chosen rate.
   """
   best = best_lrs(by_lr)
   if not best:  # Every method diverged at every rate.
     return best, {}
-  seeds = set.intersection(*(set(by_lr[lr]) for lr in best.values()))
+  seeds = set.intersection(
+    *(
+      {s for s, runs in by_lr[lr].items() if m in runs}
+      for m, lr in best.items()
+    )
+  )
   runs = {s: {m: by_lr[lr][s][m] for m, lr in best.items()} for s in seeds}
   return best, dict(sorted(runs.items()))
 
