@@ -4,6 +4,7 @@
 
 import contextlib
 import gzip
+import hashlib
 import io
 import json
 import math
@@ -403,3 +404,15 @@ def test_the_mode_sweep_is_not_run_on_runs_made_apart(tmp_path):
   # The same runs with a=1 on every seed: the sweep runs.
   files[1] = _results_json(tmp_path / "c.json", 0.1, ("a=1",))
   assert "Mode sweep, " in _merge(files, tmp_path / "n")
+
+
+def test_source_sha256_names_each_python_file_by_path_and_bytes(tmp_path):
+  (tmp_path / "b.py").write_text("y = 2")
+  (tmp_path / "sub").mkdir()
+  (tmp_path / "sub" / "a.py").write_text("x = 1")
+  (tmp_path / "notes.txt").write_text("not source")
+  by_hand = hashlib.sha256(b"b.py\0y = 2\0sub/a.py\0x = 1\0").hexdigest()
+  assert report.source_sha256(str(tmp_path)) == by_hand
+  (tmp_path / "b.py").rename(tmp_path / "c.py")  # Same bytes, new name.
+  assert report.source_sha256(str(tmp_path)) != by_hand
+  assert report.machine()["immgrad_source_sha256"] == report.source_sha256()

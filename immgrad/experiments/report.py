@@ -4,9 +4,11 @@ The terms of its tables are defined in ``DEFINITIONS``, printed under them.
 """
 
 import gzip
+import hashlib
 import json
 import math
 import os
+import pathlib
 import platform
 import re
 from typing import Any
@@ -276,7 +278,32 @@ def machine() -> dict:
     "optax": optax.__version__,
     "haiku": haiku.__version__,
     "immgrad": immgrad.__version__,
+    "immgrad_source_sha256": source_sha256(),
   }
+
+
+def source_sha256(root: str | None = None) -> str:
+  """The sha256 of a package's Python source (``root``, by default
+  immgrad's): each ``.py`` file's path under it and its bytes, in path
+  order. It names the code a run ran, which the version does not: one
+  version covers every commit, and a source tree that is not installed,
+  as on the chip, reads "0+unknown".
+
+  >>> import tempfile
+  >>> with tempfile.TemporaryDirectory() as d:
+  ...   _ = pathlib.Path(d, "a.py").write_text("x = 1")
+  ...   before = source_sha256(d)
+  ...   _ = pathlib.Path(d, "a.py").write_text("x = 2")
+  ...   before != source_sha256(d)
+  True
+  """
+  top = pathlib.Path(root or immgrad.__file__).resolve()
+  top = top if top.is_dir() else top.parent
+  digest = hashlib.sha256()
+  for path in sorted(top.rglob("*.py")):
+    name = path.relative_to(top).as_posix().encode()
+    digest.update(name + b"\0" + path.read_bytes() + b"\0")
+  return digest.hexdigest()
 
 
 # Significant digits kept of each step's loss, time and dX change: the
