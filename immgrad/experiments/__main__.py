@@ -707,13 +707,14 @@ def _report(args, run, info, out):
     }
 
   main_records = [r for r in records if r["lr"] == lr]
+  coverage = _coverage_lines(run, methods)
   text = [
     f"## {info['description']}",
     f"{settings['optimizer']}, lr {lr:g}, {steps} steps, batch "
     f"{settings['batch_size']} over {settings['devices']} devices, "
     f"seeds {settings['seeds']}",
     *_data_line(settings.get("data")),
-    *_coverage_lines(run, methods),
+    *coverage,
     *(
       [
         f"every immgrad method in mode current for its first "
@@ -778,7 +779,7 @@ def _report(args, run, info, out):
     ]
   mode_sweep = None
   if settings["modes"] is not None and "a=0" in methods:
-    if _coverage_lines(run, methods):
+    if coverage:
       text += [
         "",
         "Mode sweep: not run (it pairs every method with a=0 seed by seed, "
@@ -879,7 +880,7 @@ def _study_figures(out, records, against, best, unit, title) -> list[str]:
         title,
       )
       written.append("heldout_curves_tuned.png")
-    if len({r["lr"] for r in records}) > 1:
+    if len(lrs) > 1:
       report.plot_against_lr(
         os.path.join(out, "heldout_against_lr.png"),
         stats.against_lr(records),
